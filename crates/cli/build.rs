@@ -1,0 +1,1 @@
+fn main() { mlx_build::emit_rpath(); }

@@ -1,0 +1,174 @@
+//! Devices, the backend this build runs on, and memory accounting.
+
+use mlx_sys::ffi;
+
+use crate::error::{Result, check};
+
+/// A kind of device. MLX picks the GPU by default when the build has one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    /// The host CPU.
+    Cpu,
+    /// The GPU (Metal on Apple Silicon, CUDA on NVIDIA).
+    Gpu,
+}
+
+impl Device {
+    fn to_ffi(self) -> ffi::DeviceKind {
+        match self {
+            Device::Cpu => ffi::DeviceKind::Cpu,
+            Device::Gpu => ffi::DeviceKind::Gpu,
+        }
+    }
+
+    /// Whether this device can run ops in this build.
+    #[track_caller]
+    pub fn is_available(self) -> Result<bool> {
+        check(ffi::is_available(self.to_ffi()))
+    }
+
+    /// The device new ops run on unless told otherwise.
+    #[track_caller]
+    pub fn default_device() -> Result<Device> {
+        check(ffi::default_device_kind())
+            .map(|kind| if kind == ffi::DeviceKind::Gpu { Device::Gpu } else { Device::Cpu })
+    }
+
+    /// Makes this the default device (for the calling thread's default stream).
+    #[track_caller]
+    pub fn set_default(self) -> Result<()> {
+        check(ffi::set_default_device(self.to_ffi()))
+    }
+
+    /// MLX's description of the device: name, architecture, memory size and, on CUDA,
+    /// free memory and compute capability. Keys vary by backend.
+    #[track_caller]
+    pub fn info(self) -> Result<Vec<(String, String)>> {
+        Ok(check(ffi::device_info(self.to_ffi()))?.into_iter().map(|p| (p.key, p.value)).collect())
+    }
+
+    /// Total memory of the device in bytes: what MLX reports (GPU memory on CUDA, unified
+    /// memory on Apple Silicon), else, for the CPU, the host's physical RAM.
+    #[track_caller]
+    pub fn memory_size(self) -> Result<Option<u64>> {
+        let info = self.info()?;
+        let reported = info
+            .iter()
+            .find(|(key, _)| key == "total_memory" || key == "memory_size")
+            .and_then(|(_, value)| value.parse().ok());
+        let host = ffi::system_memory_bytes() as u64;
+        Ok(reported.or((self == Device::Cpu && host > 0).then_some(host)))
+    }
+}
+
+/// Which MLX backend this process runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// CPU only (the Linux `mlx-cpu` wheel).
+    Cpu,
+    /// NVIDIA GPUs (`mlx-cuda-*` wheels).
+    Cuda,
+    /// Apple Silicon GPUs.
+    Metal,
+}
+
+impl Backend {
+    /// The backend of the loaded libmlx.
+    pub fn current() -> Backend {
+        match ffi::backend_name().as_str() {
+            "cuda" => Backend::Cuda,
+            "metal" => Backend::Metal,
+            _ => Backend::Cpu,
+        }
+    }
+
+    /// `cpu`, `cuda` or `metal`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Metal => "metal",
+        }
+    }
+
+    /// Whether custom GPU kernels (`metal_kernel` / `cuda_kernel`) can run in this build.
+    pub fn custom_kernels_available(self) -> bool {
+        match self {
+            Backend::Cuda => ffi::cuda_kernels_available(),
+            Backend::Metal => ffi::metal_kernels_available(),
+            Backend::Cpu => false,
+        }
+    }
+}
+
+/// The version of the loaded libmlx, e.g. `0.32.4`.
+pub fn version() -> String {
+    ffi::mlx_version()
+}
+
+/// Waits for all scheduled work on the default stream to finish.
+#[track_caller]
+pub fn synchronize() -> Result<()> {
+    check(ffi::synchronize())
+}
+
+/// Memory accounting and limits of MLX's allocator.
+pub mod memory {
+    use super::*;
+
+    /// Bytes held by live arrays.
+    #[track_caller]
+    pub fn active() -> Result<usize> {
+        check(ffi::get_active_memory())
+    }
+
+    /// The largest `active()` seen since start or the last [`reset_peak`].
+    #[track_caller]
+    pub fn peak() -> Result<usize> {
+        check(ffi::get_peak_memory())
+    }
+
+    /// Restarts peak tracking.
+    #[track_caller]
+    pub fn reset_peak() -> Result<()> {
+        check(ffi::reset_peak_memory())
+    }
+
+    /// Bytes freed by arrays but kept by the allocator for reuse.
+    #[track_caller]
+    pub fn cache() -> Result<usize> {
+        check(ffi::get_cache_memory())
+    }
+
+    /// The allocator's limit in bytes.
+    #[track_caller]
+    pub fn limit() -> Result<usize> {
+        check(ffi::get_memory_limit())
+    }
+
+    /// Sets the allocator's limit (beyond it, allocations wait for work to free memory, then
+    /// fail); returns the previous limit.
+    #[track_caller]
+    pub fn set_limit(bytes: usize) -> Result<usize> {
+        check(ffi::set_memory_limit(bytes))
+    }
+
+    /// Caps the reuse cache; returns the previous cap.
+    #[track_caller]
+    pub fn set_cache_limit(bytes: usize) -> Result<usize> {
+        check(ffi::set_cache_limit(bytes))
+    }
+
+    /// Sets how much memory may stay wired (resident) on Apple Silicon; a no-op elsewhere.
+    /// Returns the previous value.
+    #[track_caller]
+    pub fn set_wired_limit(bytes: usize) -> Result<usize> {
+        check(ffi::set_wired_limit(bytes))
+    }
+
+    /// Returns the reuse cache to the system.
+    #[track_caller]
+    pub fn clear_cache() -> Result<()> {
+        check(ffi::clear_cache())
+    }
+}

@@ -1,0 +1,108 @@
+//! Affine quantization as MLX stores it: per group of `group_size` values along the last axis,
+//! `w ≈ scale · q + bias` with `q` packed `bits` wide into `u32` words.
+
+use mlx_sys::ffi;
+
+use crate::array::{Array, from_vector};
+use crate::error::{Error, Result, check};
+use crate::fast::opt_ptr;
+
+/// A quantized matrix: the packed words and one scale and bias per group.
+#[derive(Debug, Clone)]
+pub struct QuantizedMatrix {
+    /// Packed `u32` words, `[..., rows, cols · bits / 32]`.
+    pub weight: Array,
+    /// One scale per group, `[..., rows, cols / group_size]`.
+    pub scales: Array,
+    /// One bias per group, same shape as `scales`.
+    pub biases: Array,
+    /// Values per group: 32, 64 or 128.
+    pub group_size: i32,
+    /// Bits per value: 2, 3, 4, 5, 6 or 8.
+    pub bits: i32,
+}
+
+/// Quantizes `w` along its last axis.
+#[track_caller]
+pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<QuantizedMatrix> {
+    let packed = check(ffi::quantize(w.raw(), group_size, bits))?;
+    let parts = from_vector(&packed)?;
+    let mut parts = parts.into_iter();
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(weight), Some(scales), Some(biases)) => {
+            Ok(QuantizedMatrix { weight, scales, biases, group_size, bits })
+        }
+        _ => Err(Error::invalid("affine quantize returned fewer than three arrays")),
+    }
+}
+
+impl QuantizedMatrix {
+    /// The matrix back in floating point (the dtype of `scales`).
+    #[track_caller]
+    #[allow(unsafe_code)]
+    pub fn dequantize(&self) -> Result<Array> {
+        // SAFETY: the biases pointer borrows `self`, which outlives the call.
+        check(unsafe {
+            ffi::dequantize(
+                self.weight.raw(),
+                self.scales.raw(),
+                opt_ptr(Some(&self.biases)),
+                self.group_size,
+                self.bits,
+            )
+        })
+        .map(Array::wrap)
+    }
+
+    /// `x @ Wᵀ` when `transpose` (the layout of a linear layer's weight), else `x @ W`, without
+    /// materializing `W` in floating point.
+    #[track_caller]
+    #[allow(unsafe_code)]
+    pub fn matmul(&self, x: &Array, transpose: bool) -> Result<Array> {
+        // SAFETY: the biases pointer borrows `self`, which outlives the call.
+        check(unsafe {
+            ffi::quantized_matmul(
+                x.raw(),
+                self.weight.raw(),
+                self.scales.raw(),
+                opt_ptr(Some(&self.biases)),
+                transpose,
+                self.group_size,
+                self.bits,
+            )
+        })
+        .map(Array::wrap)
+    }
+
+    /// Batched `quantized_matmul` that picks matrices by index: for `self` holding `E` stacked
+    /// matrices `[E, rows, packed]`, `rhs_indices` selects one per batch entry of `x`
+    /// (mixture-of-experts routing); `lhs_indices` selects rows of `x` likewise.
+    /// `sorted_indices` promises `rhs_indices` is sorted, which enables a faster kernel.
+    #[track_caller]
+    #[allow(unsafe_code)]
+    pub fn gather_matmul(
+        &self,
+        x: &Array,
+        lhs_indices: Option<&Array>,
+        rhs_indices: Option<&Array>,
+        transpose: bool,
+        sorted_indices: bool,
+    ) -> Result<Array> {
+        // SAFETY: each pointer is null or borrows `self` or an argument outliving the call.
+        check(unsafe {
+            ffi::gather_qmm(
+                x.raw(),
+                self.weight.raw(),
+                self.scales.raw(),
+                opt_ptr(Some(&self.biases)),
+                opt_ptr(lhs_indices),
+                opt_ptr(rhs_indices),
+                transpose,
+                self.group_size,
+                self.bits,
+                sorted_indices,
+            )
+        })
+        .map(Array::wrap)
+    }
+}
