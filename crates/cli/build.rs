@@ -1,1 +1,3 @@
-fn main() { mlx_build::emit_rpath(); }
+fn main() {
+    mlx_build::emit_rpath();
+}

@@ -1,6 +1,6 @@
 """The Python half of `quince bench-ops`: the same three measurements through Python `mlx`.
 
-Prints one JSON line: add_eval_us, add_graph_us (µs per op) and matmul_ms, each the median of
+Prints one JSON line: add_eval_us, add_graph_us, chain_us (µs per op) and matmul_ms, each the median of
 --repeats runs. Keep it in step with crates/cli/src/bench_ops.rs.
 """
 
@@ -38,6 +38,16 @@ def main() -> None:
             del c
         graph_runs.append((time.perf_counter() - start) * 1e6 / args.ops)
 
+    chain_runs = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for _ in range(10):
+            x = a
+            for _ in range(1000):
+                x = mx.add(x, b)
+            mx.eval(x)
+        chain_runs.append((time.perf_counter() - start) * 1e6 / 10_000)
+
     n = args.matmul_size
     x = mx.random.normal((n, n), dtype=mx.float32, key=mx.random.key(0))
     y = mx.ones((n, n), dtype=mx.float32)
@@ -55,6 +65,7 @@ def main() -> None:
                 "device": str(mx.default_device()),
                 "add_eval_us": statistics.median(eval_runs),
                 "add_graph_us": statistics.median(graph_runs),
+                "chain_us": statistics.median(chain_runs),
                 "matmul_ms": statistics.median(matmul_runs),
             }
         )

@@ -6,6 +6,8 @@
 //!   graph + scheduler + kernel launch, i.e. the cost a decode loop pays per synchronous op;
 //! - `add_graph_us`: one small `add` built and dropped without evaluation, per op: the binding
 //!   and graph-node cost alone;
+//! - `chain_us`: a chain of 1,000 dependent `add`s built, then evaluated once, per op: the
+//!   shape of a model's forward pass (many small ops, one eval);
 //! - `matmul_ms`: one `n × n` f32 matmul evaluated, where the binding cost is noise next to
 //!   the kernel (a check that both sides run the same kernel).
 //!
@@ -65,8 +67,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     }
     let stdout = String::from_utf8_lossy(&output.stdout);
     let last = stdout.lines().last().unwrap_or_default();
-    let reference: Value =
-        serde_json::from_str(last).with_context(|| format!("parsing the Python result {last:?}"))?;
+    let reference: Value = serde_json::from_str(last)
+        .with_context(|| format!("parsing the Python result {last:?}"))?;
 
     let mut out = std::io::stdout().lock();
     if args.json {
@@ -80,16 +82,21 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         mlx::Backend::current().name(),
         args.repeats
     )?;
-    writeln!(out, "{:<40} {:>14} {:>14} {:>10}", "measure", "quince (Rust)", "python mlx", "py/quince")?;
+    writeln!(
+        out,
+        "{:<40} {:>14} {:>14} {:>10}",
+        "measure", "quince (Rust)", "python mlx", "py/quince"
+    )?;
     let rows = [
         ("add_eval_us", format!("add [4] + eval, per op (µs, {} ops)", args.ops)),
         ("add_graph_us", format!("add [4] graph only, per op (µs, {} ops)", args.ops)),
+        ("chain_us", "1000-add chain, one eval, per op (µs)".to_string()),
         ("matmul_ms", format!("matmul {0}x{0} f32 + eval (ms)", args.matmul_size)),
     ];
     for (key, label) in rows {
         let a = ours[key].as_f64().unwrap_or(f64::NAN);
         let b = reference[key].as_f64().unwrap_or(f64::NAN);
-        writeln!(out, "{label:<40} {a:>14.3} {b:>14.3} {:>9.2}x", b / a)?;
+        writeln!(out, "{label:<42} {a:>14.3} {b:>14.3} {:>9.2}x", b / a)?;
     }
     Ok(())
 }
@@ -131,6 +138,19 @@ fn measure(args: &Args) -> anyhow::Result<Value> {
         graph_runs.push(start.elapsed().as_secs_f64() * 1e6 / args.ops as f64);
     }
 
+    let mut chain_runs = Vec::new();
+    for _ in 0..args.repeats {
+        let start = Instant::now();
+        for _ in 0..10 {
+            let mut x = a.clone();
+            for _ in 0..1000 {
+                x = x.add(&b)?;
+            }
+            x.eval()?;
+        }
+        chain_runs.push(start.elapsed().as_secs_f64() * 1e6 / 10_000.0);
+    }
+
     let n = args.matmul_size;
     let key = mlx::random::key(0)?;
     let x = mlx::random::normal(&[n, n], Dtype::Float32, 0.0, 1.0, Some(&key))?;
@@ -145,6 +165,7 @@ fn measure(args: &Args) -> anyhow::Result<Value> {
     Ok(json!({
         "add_eval_us": median(eval_runs),
         "add_graph_us": median(graph_runs),
+        "chain_us": median(chain_runs),
         "matmul_ms": median(matmul_runs),
     }))
 }

@@ -29,9 +29,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let product_ok = product == [4.0, 5.0, 10.0, 11.0];
 
     // Causal attention, 1 batch, 2 heads, 4 positions, head dim 8: fused kernel vs the formula.
-    let q = mlx::random::normal(&[1, 2, 4, 8], Dtype::Float32, 0.0, 1.0, Some(&mlx::random::key(1)?))?;
-    let k = mlx::random::normal(&[1, 2, 4, 8], Dtype::Float32, 0.0, 1.0, Some(&mlx::random::key(2)?))?;
-    let v = mlx::random::normal(&[1, 2, 4, 8], Dtype::Float32, 0.0, 1.0, Some(&mlx::random::key(3)?))?;
+    let q =
+        mlx::random::normal(&[1, 2, 4, 8], Dtype::Float32, 0.0, 1.0, Some(&mlx::random::key(1)?))?;
+    let k =
+        mlx::random::normal(&[1, 2, 4, 8], Dtype::Float32, 0.0, 1.0, Some(&mlx::random::key(2)?))?;
+    let v =
+        mlx::random::normal(&[1, 2, 4, 8], Dtype::Float32, 0.0, 1.0, Some(&mlx::random::key(3)?))?;
     let scale = 1.0 / 8f32.sqrt();
     let fused = scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::Causal, None)?;
     let keep = ops::tri(4, 4, 0, Dtype::Bool)?;
@@ -83,7 +86,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             gib(limit)
         )?;
         writeln!(out, "matmul 2x3·3x2 {product:?} {}", verdict(product_ok))?;
-        writeln!(out, "sdpa causal    max |fused − formula| = {sdpa_err:.2e} {}", verdict(sdpa_ok))?;
+        writeln!(
+            out,
+            "sdpa causal    max |fused − formula| = {sdpa_err:.2e} {}",
+            verdict(sdpa_ok)
+        )?;
     }
     if !(product_ok && sdpa_ok) {
         return Err(anyhow::anyhow!("MLX smoke computation gave wrong results"))

@@ -101,10 +101,10 @@ pub fn workspace_root() -> PathBuf {
     let start = env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from).unwrap_or_default();
     let mut dir: Option<&Path> = Some(&start);
     while let Some(d) = dir {
-        if let Ok(text) = fs::read_to_string(d.join("Cargo.toml")) {
-            if text.contains("[workspace]") {
-                return d.to_path_buf();
-            }
+        if let Ok(text) = fs::read_to_string(d.join("Cargo.toml"))
+            && text.contains("[workspace]")
+        {
+            return d.to_path_buf();
         }
         dir = d.parent();
     }
@@ -145,7 +145,11 @@ fn read_version(path: &Path) -> Result<String, String> {
 
 fn missing_message(venv: &Path) -> String {
     let mut text = String::new();
-    let _ = writeln!(text, "MLX not found: MLX_DIR is not set and {} has no mlx package.", venv.display());
+    let _ = writeln!(
+        text,
+        "MLX not found: MLX_DIR is not set and {} has no mlx package.",
+        venv.display()
+    );
     text.push_str(&fix_text());
     text
 }

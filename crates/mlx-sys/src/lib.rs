@@ -17,6 +17,9 @@
 //! Optional arrays are passed as `*const Array` (null for "none"), which makes those functions
 //! `unsafe`: the caller promises the pointer is null or points to a live `Array`.
 
+// Generated code: the unsafe fns' contract is stated once above (null or a live `Array`), and
+// the argument lists mirror MLX's own signatures.
+#[allow(clippy::missing_safety_doc, clippy::too_many_arguments)]
 #[cxx::bridge(namespace = "quince")]
 pub mod ffi {
     /// Element types, in MLX's order. `Complex64` exists so every MLX array maps to a value.
@@ -158,12 +161,23 @@ pub mod ffi {
         // ---- ops.cc: arithmetic, shapes, indexing, reductions, creation ----
         fn binary(op: BinaryOp, a: &Array, b: &Array) -> Result<UniquePtr<Array>>;
         fn unary(op: UnaryOp, a: &Array) -> Result<UniquePtr<Array>>;
-        fn reduce(op: ReduceOp, a: &Array, axes: &[i32], keepdims: bool) -> Result<UniquePtr<Array>>;
+        fn reduce(
+            op: ReduceOp,
+            a: &Array,
+            axes: &[i32],
+            keepdims: bool,
+        ) -> Result<UniquePtr<Array>>;
         fn reduce_all(op: ReduceOp, a: &Array, keepdims: bool) -> Result<UniquePtr<Array>>;
         fn argmax(a: &Array, axis: i32, keepdims: bool) -> Result<UniquePtr<Array>>;
         fn argmin(a: &Array, axis: i32, keepdims: bool) -> Result<UniquePtr<Array>>;
         fn matmul(a: &Array, b: &Array) -> Result<UniquePtr<Array>>;
-        fn addmm(c: &Array, a: &Array, b: &Array, alpha: f32, beta: f32) -> Result<UniquePtr<Array>>;
+        fn addmm(
+            c: &Array,
+            a: &Array,
+            b: &Array,
+            alpha: f32,
+            beta: f32,
+        ) -> Result<UniquePtr<Array>>;
         fn astype(a: &Array, dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn reshape(a: &Array, shape: &[i32]) -> Result<UniquePtr<Array>>;
         fn transpose(a: &Array, axes: &[i32]) -> Result<UniquePtr<Array>>;
@@ -175,10 +189,28 @@ pub mod ffi {
         fn flatten(a: &Array, start_axis: i32, end_axis: i32) -> Result<UniquePtr<Array>>;
         fn concatenate(arrays: &CxxVector<Array>, axis: i32) -> Result<UniquePtr<Array>>;
         fn stack(arrays: &CxxVector<Array>, axis: i32) -> Result<UniquePtr<Array>>;
-        fn split_sections(a: &Array, sections: i32, axis: i32) -> Result<UniquePtr<CxxVector<Array>>>;
-        fn split_indices(a: &Array, indices: &[i32], axis: i32) -> Result<UniquePtr<CxxVector<Array>>>;
-        fn slice(a: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<UniquePtr<Array>>;
-        fn slice_dynamic(a: &Array, start: &Array, axes: &[i32], sizes: &[i32]) -> Result<UniquePtr<Array>>;
+        fn split_sections(
+            a: &Array,
+            sections: i32,
+            axis: i32,
+        ) -> Result<UniquePtr<CxxVector<Array>>>;
+        fn split_indices(
+            a: &Array,
+            indices: &[i32],
+            axis: i32,
+        ) -> Result<UniquePtr<CxxVector<Array>>>;
+        fn slice(
+            a: &Array,
+            start: &[i32],
+            stop: &[i32],
+            strides: &[i32],
+        ) -> Result<UniquePtr<Array>>;
+        fn slice_dynamic(
+            a: &Array,
+            start: &Array,
+            axes: &[i32],
+            sizes: &[i32],
+        ) -> Result<UniquePtr<Array>>;
         fn slice_update(
             src: &Array,
             update: &Array,
@@ -195,7 +227,12 @@ pub mod ffi {
         fn take(a: &Array, indices: &Array, axis: i32) -> Result<UniquePtr<Array>>;
         fn take_flat(a: &Array, indices: &Array) -> Result<UniquePtr<Array>>;
         fn take_along_axis(a: &Array, indices: &Array, axis: i32) -> Result<UniquePtr<Array>>;
-        fn put_along_axis(a: &Array, indices: &Array, values: &Array, axis: i32) -> Result<UniquePtr<Array>>;
+        fn put_along_axis(
+            a: &Array,
+            indices: &Array,
+            values: &Array,
+            axis: i32,
+        ) -> Result<UniquePtr<Array>>;
         fn where_(condition: &Array, x: &Array, y: &Array) -> Result<UniquePtr<Array>>;
         fn softmax(a: &Array, axes: &[i32], precise: bool) -> Result<UniquePtr<Array>>;
         fn argpartition(a: &Array, kth: i32, axis: i32) -> Result<UniquePtr<Array>>;
@@ -203,7 +240,8 @@ pub mod ffi {
         fn topk(a: &Array, k: i32, axis: i32) -> Result<UniquePtr<Array>>;
         fn sort(a: &Array, axis: i32) -> Result<UniquePtr<Array>>;
         fn argsort(a: &Array, axis: i32) -> Result<UniquePtr<Array>>;
-        fn cumsum(a: &Array, axis: i32, reverse: bool, inclusive: bool) -> Result<UniquePtr<Array>>;
+        fn cumsum(a: &Array, axis: i32, reverse: bool, inclusive: bool)
+        -> Result<UniquePtr<Array>>;
         fn arange(start: f64, stop: f64, step: f64, dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn zeros(shape: &[i32], dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn ones(shape: &[i32], dtype: Dtype) -> Result<UniquePtr<Array>>;
@@ -211,7 +249,13 @@ pub mod ffi {
         fn tri(n: i32, m: i32, k: i32, dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn tril(a: &Array, k: i32) -> Result<UniquePtr<Array>>;
         fn triu(a: &Array, k: i32) -> Result<UniquePtr<Array>>;
-        fn pad(a: &Array, axes: &[i32], low: &[i32], high: &[i32], value: &Array) -> Result<UniquePtr<Array>>;
+        fn pad(
+            a: &Array,
+            axes: &[i32],
+            low: &[i32],
+            high: &[i32],
+            value: &Array,
+        ) -> Result<UniquePtr<Array>>;
         fn conv1d(
             input: &Array,
             weight: &Array,
@@ -315,11 +359,18 @@ pub mod ffi {
             scale: f32,
             key: *const Array,
         ) -> Result<UniquePtr<Array>>;
-        unsafe fn random_categorical(logits: &Array, axis: i32, key: *const Array) -> Result<UniquePtr<Array>>;
+        unsafe fn random_categorical(
+            logits: &Array,
+            axis: i32,
+            key: *const Array,
+        ) -> Result<UniquePtr<Array>>;
 
         // ---- compile.cc ----
         fn compile(closure: Box<RustClosure>, shapeless: bool) -> Result<UniquePtr<CompiledFn>>;
-        fn compiled_call(f: &CompiledFn, inputs: &CxxVector<Array>) -> Result<UniquePtr<CxxVector<Array>>>;
+        fn compiled_call(
+            f: &CompiledFn,
+            inputs: &CxxVector<Array>,
+        ) -> Result<UniquePtr<CxxVector<Array>>>;
         fn set_compile_enabled(enabled: bool) -> Result<()>;
 
         // ---- io.cc: safetensors ----
@@ -367,7 +418,9 @@ pub use ffi::*;
 pub struct RustClosure {
     #[allow(clippy::type_complexity)]
     call: Box<
-        dyn Fn(&cxx::CxxVector<ffi::Array>) -> Result<cxx::UniquePtr<cxx::CxxVector<ffi::Array>>, String>
+        dyn Fn(
+                &cxx::CxxVector<ffi::Array>,
+            ) -> Result<cxx::UniquePtr<cxx::CxxVector<ffi::Array>>, String>
             + Send
             + 'static,
     >,
@@ -379,7 +432,9 @@ impl RustClosure {
     #[allow(clippy::type_complexity)]
     pub fn new(
         call: Box<
-            dyn Fn(&cxx::CxxVector<ffi::Array>) -> Result<cxx::UniquePtr<cxx::CxxVector<ffi::Array>>, String>
+            dyn Fn(
+                    &cxx::CxxVector<ffi::Array>,
+                ) -> Result<cxx::UniquePtr<cxx::CxxVector<ffi::Array>>, String>
                 + Send
                 + 'static,
         >,

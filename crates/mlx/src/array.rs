@@ -194,8 +194,10 @@ impl Element for bool {
 /// Ops build graph nodes and return at once; nothing runs until [`Array::eval`] (or a read
 /// such as [`Array::to_vec`]) asks for values. Cloning copies the handle, not the data.
 ///
-/// `Array` is `Send` (the handle's reference count is atomic) but not `Sync`: one thread
-/// owns and uses a graph at a time, which is how the engine's actor thread works.
+/// `Array` is `Send` (the handle's reference count is atomic) but not `Sync`. MLX streams
+/// belong to the thread that created them, so a graph must be evaluated on the thread that
+/// built it: evaluating a pending array on another thread returns an error. Evaluated arrays
+/// can be used anywhere. The engine keeps all MLX work on its actor thread.
 pub struct Array {
     pub(crate) inner: UniquePtr<ffi::Array>,
 }
@@ -359,7 +361,9 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
 }
 
 /// Builds the C++ vector the bridge takes for lists of arrays.
-pub(crate) fn to_vector<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> UniquePtr<cxx::CxxVector<ffi::Array>> {
+pub(crate) fn to_vector<'a>(
+    arrays: impl IntoIterator<Item = &'a Array>,
+) -> UniquePtr<cxx::CxxVector<ffi::Array>> {
     let mut vector = ffi::vec_new();
     for a in arrays {
         ffi::vec_push(vector.pin_mut(), a.raw());

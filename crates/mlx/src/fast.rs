@@ -21,7 +21,12 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
 /// Layer normalization over the last axis, with optional affine `weight` and `bias`.
 #[track_caller]
 #[allow(unsafe_code)]
-pub fn layer_norm(x: &Array, weight: Option<&Array>, bias: Option<&Array>, eps: f32) -> Result<Array> {
+pub fn layer_norm(
+    x: &Array,
+    weight: Option<&Array>,
+    bias: Option<&Array>,
+    eps: f32,
+) -> Result<Array> {
     // SAFETY: each pointer is null or borrows an argument that outlives the call.
     check(unsafe { ffi::layer_norm(x.raw(), opt_ptr(weight), opt_ptr(bias), eps) }).map(Array::wrap)
 }

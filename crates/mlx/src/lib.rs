@@ -7,7 +7,7 @@
 //!   methods on [`Array`]).
 //! - [`fast`]: fused `rms_norm`, `layer_norm`, `rope`, `scaled_dot_product_attention`.
 //! - [`quantized`]: affine quantization and quantized matmuls.
-//! - [`random`]: keyed random numbers. [`compile`]: traced, fused Rust closures.
+//! - [`random`]: keyed random numbers. [`compile()`]: traced, fused Rust closures.
 //! - [`io`]: safetensors. [`device`]: devices, backend, memory.
 //!
 //! Every call that reaches MLX returns [`Result`]: MLX reports bad shapes, dtypes and arguments

@@ -285,8 +285,14 @@ impl Array {
 
     /// A copy of `self` with `update` written along `axes` at the positions held in `start`.
     #[track_caller]
-    pub fn slice_update_dynamic(&self, update: &Array, start: &Array, axes: &[i32]) -> Result<Array> {
-        check(ffi::slice_update_dynamic(self.raw(), update.raw(), start.raw(), axes)).map(Array::wrap)
+    pub fn slice_update_dynamic(
+        &self,
+        update: &Array,
+        start: &Array,
+        axes: &[i32],
+    ) -> Result<Array> {
+        check(ffi::slice_update_dynamic(self.raw(), update.raw(), start.raw(), axes))
+            .map(Array::wrap)
     }
 
     /// Gathers entries at `indices` along `axis`.
@@ -449,7 +455,8 @@ pub fn conv1d(
     dilation: i32,
     groups: i32,
 ) -> Result<Array> {
-    check(ffi::conv1d(input.raw(), weight.raw(), stride, padding, dilation, groups)).map(Array::wrap)
+    check(ffi::conv1d(input.raw(), weight.raw(), stride, padding, dilation, groups))
+        .map(Array::wrap)
 }
 
 /// `[start, start + step, …)` up to `stop` (exclusive).

@@ -27,7 +27,13 @@ pub fn split(key: &Array, num: i32) -> Result<Array> {
 /// Uniform samples in `[low, high)`.
 #[track_caller]
 #[allow(unsafe_code)]
-pub fn uniform(low: f32, high: f32, shape: &[i32], dtype: Dtype, key: Option<&Array>) -> Result<Array> {
+pub fn uniform(
+    low: f32,
+    high: f32,
+    shape: &[i32],
+    dtype: Dtype,
+    key: Option<&Array>,
+) -> Result<Array> {
     // SAFETY: the key pointer is null or borrows an argument that outlives the call.
     check(unsafe { ffi::random_uniform(low, high, shape, dtype.to_ffi(), opt_ptr(key)) })
         .map(Array::wrap)
@@ -36,7 +42,13 @@ pub fn uniform(low: f32, high: f32, shape: &[i32], dtype: Dtype, key: Option<&Ar
 /// Normal samples with mean `loc` and standard deviation `scale`.
 #[track_caller]
 #[allow(unsafe_code)]
-pub fn normal(shape: &[i32], dtype: Dtype, loc: f32, scale: f32, key: Option<&Array>) -> Result<Array> {
+pub fn normal(
+    shape: &[i32],
+    dtype: Dtype,
+    loc: f32,
+    scale: f32,
+    key: Option<&Array>,
+) -> Result<Array> {
     // SAFETY: the key pointer is null or borrows an argument that outlives the call.
     check(unsafe { ffi::random_normal(shape, dtype.to_ffi(), loc, scale, opt_ptr(key)) })
         .map(Array::wrap)

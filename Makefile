@@ -1,0 +1,86 @@
+# Quince: two commands on a fresh machine.
+#   make run    set everything up and launch (today: `quince doctor`)
+#   make test   set everything up and run every test
+# Both are idempotent: each step installs only what is missing.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+VENV_PY := $(VENV)/bin/python
+REQUIREMENTS := tests/reference/requirements.txt
+VENV_STAMP := $(VENV)/.quince-$(shell cksum < $(REQUIREMENTS) | cut -d' ' -f1)
+UNAME := $(shell uname -s)
+# Debian packages the build needs (compilers for the C++ shim, venv support for the wheels).
+APT_PACKAGES := build-essential pkg-config python3-venv ca-certificates
+CARGO ?= cargo
+NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
+
+.PHONY: help setup system-deps venv build run test test-rust lint fixtures bench-ops clean
+
+help:
+	@echo "make run        set up and launch (quince doctor until the app lands)"
+	@echo "make test       set up and run every test (fmt, clippy, docs, unit, integration, doc tests)"
+	@echo "make setup      only install what is missing: apt packages, .venv with pinned MLX"
+	@echo "make fixtures   regenerate tests/golden/ops/ops.safetensors from NumPy formulas"
+	@echo "make bench-ops  per-op overhead: our binding vs Python mlx, side by side"
+
+setup: system-deps venv
+
+# apt-get as root; otherwise print the command for the user to run.
+system-deps:
+ifeq ($(UNAME),Linux)
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else \
+	    echo "missing Debian packages:$$missing"; echo "run: sudo apt-get install -y$$missing"; exit 1; \
+	  fi; \
+	fi
+else
+	@command -v $(CARGO) >/dev/null || { echo "install Rust with rustup first (see README)"; exit 1; }
+endif
+
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): $(REQUIREMENTS)
+	@test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV_PY) -m pip install -q --disable-pip-version-check -r $(REQUIREMENTS)
+	@rm -f $(VENV)/.quince-* && touch $@
+
+build: setup
+	$(CARGO) build --workspace --locked
+
+run: setup
+	$(CARGO) run --locked -p quince-cli -- doctor
+
+lint: setup
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
+
+# Doc tests and the build check first, so the run ends on the main suite's summary line.
+test-rust: setup
+	$(CARGO) test --workspace --doc --locked
+	@# A missing MLX stops the build with a message that names MLX_DIR.
+	@out=$$(MLX_DIR=/nonexistent/mlx $(CARGO) check -p mlx-sys --locked --target-dir target/mlx-missing-check 2>&1); \
+	  if echo "$$out" | grep -q "MLX_DIR"; then echo "missing-MLX build message names MLX_DIR: ok"; \
+	  else echo "$$out" | tail -20; echo "missing-MLX build message check FAILED"; exit 1; fi
+ifeq ($(NEXTEST),yes)
+	$(CARGO) nextest run --workspace --locked --no-fail-fast
+else
+	$(CARGO) test --workspace --locked --no-fail-fast
+endif
+
+test: setup lint test-rust
+
+fixtures: setup
+	$(VENV_PY) tests/golden/ops/make_fixtures.py
+
+bench-ops: setup
+	$(CARGO) run --release --locked -p quince-cli -- bench-ops
+
+clean:
+	$(CARGO) clean

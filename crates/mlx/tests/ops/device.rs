@@ -1,0 +1,46 @@
+//! Devices, backend facts and memory accounting.
+
+use mlx::device::{self, memory};
+use mlx::{Backend, Device, Dtype, ops};
+
+#[test]
+fn backend_and_default_device_agree() {
+    assert_eq!(device::version(), "0.32.4", "the pinned MLX is the one loaded");
+    let gpu = Device::Gpu.is_available().unwrap();
+    assert!(Device::Cpu.is_available().unwrap());
+    assert_eq!(Backend::current() != Backend::Cpu, gpu, "a GPU backend has a GPU");
+    let expected = if gpu { Device::Gpu } else { Device::Cpu };
+    assert_eq!(Device::default_device().unwrap(), expected, "GPU by default when present");
+    Device::Cpu.set_default().unwrap();
+    assert_eq!(Device::default_device().unwrap(), Device::Cpu);
+    assert!(Device::Cpu.memory_size().unwrap().unwrap_or(0) > 1 << 30, "host RAM is known");
+    if !gpu {
+        assert!(!Backend::current().custom_kernels_available());
+        assert!(Device::Gpu.set_default().is_err(), "no GPU to switch to");
+    }
+}
+
+#[test]
+fn memory_accounting_follows_allocations() {
+    memory::reset_peak().unwrap();
+    let before = memory::active().unwrap();
+    let big = ops::ones(&[16, 1024, 1024], Dtype::Float32).unwrap(); // 64 MiB
+    big.eval().unwrap();
+    let during = memory::active().unwrap();
+    assert!(during >= before + (64 << 20), "active grew by the array: {before} -> {during}");
+    assert!(memory::peak().unwrap() >= during);
+    drop(big);
+    let after = memory::active().unwrap();
+    assert!(after < during, "freed: {during} -> {after}");
+    memory::clear_cache().unwrap();
+    assert_eq!(memory::cache().unwrap(), 0, "clear_cache empties the reuse cache");
+
+    let original = memory::limit().unwrap();
+    let previous = memory::set_limit(1 << 30).unwrap();
+    assert_eq!(previous, original);
+    assert_eq!(memory::limit().unwrap(), 1 << 30);
+    memory::set_limit(original).unwrap();
+    memory::set_cache_limit(0).unwrap();
+    memory::set_wired_limit(0).unwrap();
+    device::synchronize().unwrap();
+}
