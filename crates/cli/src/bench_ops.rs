@@ -156,6 +156,7 @@ fn measure(args: &Args) -> anyhow::Result<Value> {
     let x = mlx::random::normal(&[n, n], Dtype::Float32, 0.0, 1.0, Some(&key))?;
     let y = ops::ones(&[n, n], Dtype::Float32)?;
     mlx::eval(&[&x, &y])?;
+    x.matmul(&y)?.eval()?; // warm-up: library handles, kernel selection
     let mut matmul_runs = Vec::new();
     for _ in 0..args.repeats {
         let start = Instant::now();
