@@ -1,0 +1,171 @@
+//! The attention cache stack: caches own their attention reads.
+//!
+//! A model hands each layer's new keys and values to its cache through a method named for the
+//! phase (`append_window` for prefill chunks and verify windows, `append_decode` for one new
+//! token) and gets back an [`AttentionRead`]. The read attends queries over exactly the
+//! positions that phase may see, with the kernel and mask the cache chose from its own offset
+//! and sliding window: callers never see stored keys and values and never build masks.
+//!
+//! Invariants every storage keeps:
+//! - keys arrive with the positional encoding of the positions they occupy, which start at the
+//!   cache's offset; after an append the offset has advanced by the appended length;
+//! - the phase is the method name, never inferred from a length;
+//! - a rejected append (an error) leaves the cache unchanged;
+//! - a read owns its handles and stays valid after later appends (holding it across the next
+//!   append may make that append copy its buffer instead of writing in place);
+//! - [`Cache::signature`] names the storage and its geometry; persistence and reuse compare it
+//!   and fail closed on a mismatch.
+//!
+//! Storages: [`PlainCache`] (growable) and [`RotatingCache`] (sliding window ring).
+
+mod plain;
+mod rotating;
+
+use std::collections::BTreeMap;
+
+use mlx::Array;
+use mlx::fast::{AttentionMask, scaled_dot_product_attention};
+
+pub use plain::PlainCache;
+pub use rotating::RotatingCache;
+
+use crate::error::{Error, Result};
+
+/// What a cache's attention read masks.
+#[derive(Debug, Clone)]
+pub(crate) enum ReadMask {
+    /// Every stored position is visible to every query.
+    None,
+    /// Bottom-right aligned causal: query `i` of `L` sees keys `..= S - L + i`.
+    Causal,
+    /// An explicit bool mask `[L, S]` (true = visible).
+    Array(Array),
+}
+
+/// Attention over the positions one phase-named append may see. Owns its handles.
+#[derive(Debug, Clone)]
+pub struct AttentionRead {
+    keys: Array,
+    values: Array,
+    mask: ReadMask,
+}
+
+impl AttentionRead {
+    pub(crate) fn new(keys: Array, values: Array, mask: ReadMask) -> AttentionRead {
+        AttentionRead { keys, values, mask }
+    }
+
+    /// Attends queries `q` `[B, Hq, L, D]` (positional encoding applied; `Hq` a multiple of the
+    /// stored heads) → `[B, Hq, L, D]`. Callable any number of times: KV-sharing layers attend
+    /// a donor's read with their own queries.
+    pub fn attend(&self, q: &Array, scale: f32) -> Result<Array> {
+        let mask = match &self.mask {
+            ReadMask::None => AttentionMask::None,
+            ReadMask::Causal => AttentionMask::Causal,
+            ReadMask::Array(m) => AttentionMask::Array(m),
+        };
+        Ok(scaled_dot_product_attention(q, &self.keys, &self.values, scale, mask, None)?)
+    }
+
+    /// Number of key positions the read covers.
+    pub fn len(&self) -> Result<usize> {
+        Ok(self.keys.dim(2)? as usize)
+    }
+
+    /// Whether the read covers no position.
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+}
+
+/// A cache's saved state: only valid positions, in temporal order, plus metadata.
+#[derive(Debug, Clone, Default)]
+pub struct CacheState {
+    /// `keys` and `values` `[B, H, N, D]`.
+    pub tensors: BTreeMap<String, Array>,
+    /// `signature`, `offset` and storage-specific entries, as strings.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl CacheState {
+    pub(crate) fn number(&self, key: &str) -> Result<usize> {
+        self.metadata
+            .get(key)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| Error::InvalidRequest(format!("cache state has no numeric `{key}`")))
+    }
+}
+
+/// What every cache shares: position bookkeeping, identity, persistence, trimming.
+pub trait Cache: std::fmt::Debug {
+    /// Positions appended so far (the absolute position of the next one).
+    fn offset(&self) -> usize;
+    /// The storage and its geometry, e.g. `plain` or `rotating(window=512)`.
+    fn signature(&self) -> String;
+    /// Bytes one more position costs (keys and values, all heads, one row); 0 before the
+    /// first append fixes the dimensions.
+    fn bytes_per_token(&self) -> usize;
+    /// The valid positions and metadata, for a checkpoint file.
+    fn state(&self) -> Result<CacheState>;
+    /// Replaces this cache's contents with a saved state of the same signature.
+    fn restore(&mut self, state: &CacheState) -> Result<()>;
+    /// Whether [`Cache::trim`] can drop positions now (a ring that evicted cannot).
+    fn is_trimmable(&self) -> bool;
+    /// Drops the last `n` positions (at most the offset); errors when not trimmable.
+    fn trim(&mut self, n: usize) -> Result<usize>;
+}
+
+/// A key/value cache that owns its attention reads. See the module docs for the invariants.
+pub trait AttentionCache: Cache {
+    /// Decode: one new position (`L` = 1). The query sees every stored position up to and
+    /// including the new one, limited to the sliding window.
+    fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead>;
+    /// Window: `L` new positions, causal within the window; query `i` sees the earlier
+    /// positions and window positions `0..=i`, limited to the sliding window.
+    fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead>;
+}
+
+/// Checks the shapes of an append: `[B, H, L, D]` keys and values agreeing on `B, H, L`.
+pub(crate) fn check_append(keys: &Array, values: &Array, decode: bool) -> Result<usize> {
+    let (ks, vs) = (keys.shape(), values.shape());
+    if ks.len() != 4 || vs.len() != 4 || ks[..3] != vs[..3] {
+        return Err(Error::InvalidRequest(format!(
+            "cache append needs [B, H, L, D] keys and values, got {ks:?} and {vs:?}"
+        )));
+    }
+    let length = ks[2] as usize;
+    if decode && length != 1 {
+        return Err(Error::InvalidRequest(format!(
+            "append_decode takes one position, got {length}"
+        )));
+    }
+    if length == 0 {
+        return Err(Error::InvalidRequest("append of zero positions".into()));
+    }
+    Ok(length)
+}
+
+pub(crate) fn state_of(signature: String, offset: usize, keys: Array, values: Array) -> CacheState {
+    let mut state = CacheState::default();
+    state.tensors.insert("keys".into(), keys);
+    state.tensors.insert("values".into(), values);
+    state.metadata.insert("signature".into(), signature);
+    state.metadata.insert("offset".into(), offset.to_string());
+    state
+}
+
+pub(crate) fn check_signature(state: &CacheState, signature: &str) -> Result<()> {
+    match state.metadata.get("signature") {
+        Some(s) if s == signature => Ok(()),
+        other => Err(Error::InvalidRequest(format!(
+            "cache state signature {other:?} does not match this cache ({signature})"
+        ))),
+    }
+}
+
+pub(crate) fn state_tensor<'a>(state: &'a CacheState, name: &str) -> Result<&'a Array> {
+    state
+        .tensors
+        .get(name)
+        .ok_or_else(|| Error::InvalidRequest(format!("cache state has no `{name}` tensor")))
+}

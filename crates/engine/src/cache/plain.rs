@@ -1,0 +1,154 @@
+//! A growable key/value buffer: every position ever appended stays visible.
+
+use mlx::{Array, ops};
+
+use super::{
+    AttentionCache, AttentionRead, Cache, CacheState, ReadMask, check_append, check_signature,
+    state_of, state_tensor,
+};
+use crate::error::{Error, Result};
+
+/// Buffers grow in steps of this many positions (as mlx-lm's `KVCache` does), so decode
+/// writes in place most of the time.
+const STEP: i32 = 256;
+
+/// Keys and values in buffers `[B, H, capacity, D]`, valid up to the offset.
+#[derive(Debug, Default)]
+pub struct PlainCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: usize,
+}
+
+impl PlainCache {
+    /// An empty cache.
+    pub fn new() -> PlainCache {
+        PlainCache::default()
+    }
+
+    /// Writes `keys`/`values` at the offset, growing the buffers when needed, and returns the
+    /// valid prefix `[.., :offset + L, ..]`.
+    fn write(&mut self, keys: &Array, values: &Array, length: usize) -> Result<(Array, Array)> {
+        let start = self.offset as i32;
+        let end = start + length as i32;
+        let (mut kbuf, mut vbuf) = match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => (k.clone(), v.clone()),
+            _ => (empty_like(keys, 0)?, empty_like(values, 0)?),
+        };
+        let capacity = kbuf.dim(2)?;
+        if end > capacity {
+            let grow = (end - capacity + STEP - 1) / STEP * STEP;
+            let valid_k = kbuf.slice(&[0, 0, 0, 0], &bounds(&kbuf, start)?, &[1, 1, 1, 1])?;
+            let valid_v = vbuf.slice(&[0, 0, 0, 0], &bounds(&vbuf, start)?, &[1, 1, 1, 1])?;
+            kbuf = ops::concatenate(&[&valid_k, &empty_like(keys, capacity - start + grow)?], 2)?;
+            vbuf = ops::concatenate(&[&valid_v, &empty_like(values, capacity - start + grow)?], 2)?;
+        }
+        let kshape = keys.shape();
+        let vshape = values.shape();
+        kbuf = kbuf.slice_update(
+            keys,
+            &[0, 0, start, 0],
+            &[kshape[0], kshape[1], end, kshape[3]],
+            &[1, 1, 1, 1],
+        )?;
+        vbuf = vbuf.slice_update(
+            values,
+            &[0, 0, start, 0],
+            &[vshape[0], vshape[1], end, vshape[3]],
+            &[1, 1, 1, 1],
+        )?;
+        let read_k = kbuf.slice(&[0, 0, 0, 0], &bounds(&kbuf, end)?, &[1, 1, 1, 1])?;
+        let read_v = vbuf.slice(&[0, 0, 0, 0], &bounds(&vbuf, end)?, &[1, 1, 1, 1])?;
+        self.keys = Some(kbuf);
+        self.values = Some(vbuf);
+        self.offset += length;
+        Ok((read_k, read_v))
+    }
+}
+
+/// `[B, H, n, D]` zeros shaped like `like` along every axis but 2.
+fn empty_like(like: &Array, n: i32) -> Result<Array> {
+    let s = like.shape();
+    Ok(ops::zeros(&[s[0], s[1], n, s[3]], like.dtype())?)
+}
+
+/// Slice bounds covering positions `..end` of a `[B, H, N, D]` buffer.
+fn bounds(buffer: &Array, end: i32) -> Result<Vec<i32>> {
+    let s = buffer.shape();
+    Ok(vec![s[0], s[1], end, s[3]])
+}
+
+impl Cache for PlainCache {
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn signature(&self) -> String {
+        "plain".into()
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => {
+                let per = |a: &Array| {
+                    let s = a.shape();
+                    (s[1] * s[3]) as usize * a.dtype().size()
+                };
+                per(k) + per(v)
+            }
+            _ => 0,
+        }
+    }
+
+    fn state(&self) -> Result<CacheState> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Err(Error::InvalidRequest("an empty cache has no state to save".into()));
+        };
+        let end = self.offset as i32;
+        let keys = k.slice(&[0, 0, 0, 0], &bounds(k, end)?, &[1, 1, 1, 1])?;
+        let values = v.slice(&[0, 0, 0, 0], &bounds(v, end)?, &[1, 1, 1, 1])?;
+        Ok(state_of(self.signature(), self.offset, keys, values))
+    }
+
+    fn restore(&mut self, state: &CacheState) -> Result<()> {
+        check_signature(state, &self.signature())?;
+        let offset = state.number("offset")?;
+        let keys = state_tensor(state, "keys")?;
+        let values = state_tensor(state, "values")?;
+        if keys.dim(2)? as usize != offset || values.dim(2)? as usize != offset {
+            return Err(Error::InvalidRequest(format!(
+                "plain cache state holds {} positions, offset says {offset}",
+                keys.dim(2)?
+            )));
+        }
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        self.offset = offset;
+        Ok(())
+    }
+
+    fn is_trimmable(&self) -> bool {
+        true
+    }
+
+    fn trim(&mut self, n: usize) -> Result<usize> {
+        let n = n.min(self.offset);
+        self.offset -= n;
+        Ok(n)
+    }
+}
+
+impl AttentionCache for PlainCache {
+    fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        let length = check_append(keys, values, true)?;
+        let (k, v) = self.write(keys, values, length)?;
+        Ok(AttentionRead::new(k, v, ReadMask::None))
+    }
+
+    fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        let length = check_append(keys, values, false)?;
+        let (k, v) = self.write(keys, values, length)?;
+        let mask = if length == 1 { ReadMask::None } else { ReadMask::Causal };
+        Ok(AttentionRead::new(k, v, mask))
+    }
+}

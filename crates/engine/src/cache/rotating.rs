@@ -1,0 +1,262 @@
+//! A sliding-window ring: the last `window` positions, overwritten in place when full.
+//!
+//! Layout: buffers `[B, H, window, D]`. While fewer than `window` positions are stored they sit
+//! in temporal order at `0..len`; once full, `cursor` points at the oldest position, which the
+//! next decode overwrites. A window append reads the stored positions in temporal order plus
+//! the new ones (so every new query sees a full window of history) and keeps the last
+//! `window` of them.
+
+use mlx::{Array, Dtype, ops};
+
+use super::{
+    AttentionCache, AttentionRead, Cache, CacheState, ReadMask, check_append, check_signature,
+    state_of, state_tensor,
+};
+use crate::error::{Error, Result};
+
+/// Keys and values of the last `window` positions.
+#[derive(Debug)]
+pub struct RotatingCache {
+    window: usize,
+    keys: Option<Array>,
+    values: Option<Array>,
+    /// Stored positions, at most `window`.
+    len: usize,
+    /// Where the next decode writes: `len` until full, then the oldest slot.
+    cursor: usize,
+    offset: usize,
+}
+
+impl RotatingCache {
+    /// An empty ring for a sliding window of `window` positions (a key is visible to a query
+    /// `window − 1` positions later, not `window`).
+    pub fn new(window: usize) -> Result<RotatingCache> {
+        if window == 0 {
+            return Err(Error::InvalidRequest(
+                "a sliding window needs at least one position".into(),
+            ));
+        }
+        Ok(RotatingCache { window, keys: None, values: None, len: 0, cursor: 0, offset: 0 })
+    }
+
+    /// The sliding window length.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// The last `n` stored positions in temporal order (`n <= len`).
+    fn recent(&self, buffer: &Array, n: usize) -> Result<Option<Array>> {
+        if n == 0 {
+            return Ok(None);
+        }
+        let s = buffer.shape();
+        let span = |from: usize, to: usize| {
+            buffer.slice(&[0, 0, from as i32, 0], &[s[0], s[1], to as i32, s[3]], &[1, 1, 1, 1])
+        };
+        let ordered = if self.len < self.window || self.cursor == 0 {
+            span(self.len - n, self.len)?
+        } else {
+            // Full ring: oldest at `cursor`. Temporal order is [cursor..window] ++ [0..cursor].
+            let tail = span(self.cursor, self.window)?;
+            let head = span(0, self.cursor)?;
+            let all = ops::concatenate(&[&tail, &head], 2)?;
+            all.slice(
+                &[0, 0, (self.window - n) as i32, 0],
+                &[s[0], s[1], self.window as i32, s[3]],
+                &[1, 1, 1, 1],
+            )?
+        };
+        Ok(Some(ordered))
+    }
+
+    /// A `[B, H, window, D]` buffer holding `entries` (`[B, H, n, D]`, n <= window) at `0..n`.
+    fn buffer_from(&self, entries: &Array) -> Result<Array> {
+        let s = entries.shape();
+        let n = s[2];
+        let w = self.window as i32;
+        if n == w {
+            return Ok(entries.clone());
+        }
+        let zeros = ops::zeros(&[s[0], s[1], w - n, s[3]], entries.dtype())?;
+        Ok(ops::concatenate(&[entries, &zeros], 2)?)
+    }
+}
+
+impl Cache for RotatingCache {
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn signature(&self) -> String {
+        format!("rotating(window={})", self.window)
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => {
+                let per = |a: &Array| {
+                    let s = a.shape();
+                    (s[1] * s[3]) as usize * a.dtype().size()
+                };
+                per(k) + per(v)
+            }
+            _ => 0,
+        }
+    }
+
+    fn state(&self) -> Result<CacheState> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Err(Error::InvalidRequest("an empty cache has no state to save".into()));
+        };
+        let keys =
+            self.recent(k, self.len)?.ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
+        let values =
+            self.recent(v, self.len)?.ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
+        let mut state = state_of(self.signature(), self.offset, keys, values);
+        state.metadata.insert("window".into(), self.window.to_string());
+        Ok(state)
+    }
+
+    fn restore(&mut self, state: &CacheState) -> Result<()> {
+        check_signature(state, &self.signature())?;
+        let offset = state.number("offset")?;
+        let keys = state_tensor(state, "keys")?;
+        let values = state_tensor(state, "values")?;
+        let len = keys.dim(2)? as usize;
+        if len > self.window
+            || len > offset
+            || values.dim(2)? as usize != len
+            || (len < self.window && len != offset)
+        {
+            return Err(Error::InvalidRequest(format!(
+                "rotating cache state of {len} positions does not fit window {} at offset {offset}",
+                self.window
+            )));
+        }
+        self.keys = Some(self.buffer_from(keys)?);
+        self.values = Some(self.buffer_from(values)?);
+        self.len = len;
+        self.cursor = len % self.window;
+        self.offset = offset;
+        Ok(())
+    }
+
+    fn is_trimmable(&self) -> bool {
+        // Trimming is exact only while nothing has been evicted.
+        self.len == self.offset
+    }
+
+    fn trim(&mut self, n: usize) -> Result<usize> {
+        if !self.is_trimmable() {
+            return Err(Error::InvalidRequest(format!(
+                "a sliding-window cache that evicted positions cannot be trimmed (offset {}, window {})",
+                self.offset, self.window
+            )));
+        }
+        let n = n.min(self.offset);
+        self.len -= n;
+        self.offset -= n;
+        self.cursor = self.len % self.window;
+        Ok(n)
+    }
+}
+
+impl AttentionCache for RotatingCache {
+    fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        check_append(keys, values, true)?;
+        let (kbuf, vbuf) = match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => (k.clone(), v.clone()),
+            _ => (
+                self.buffer_from(&keys.slice(
+                    &[0, 0, 0, 0],
+                    &[keys.dim(0)?, keys.dim(1)?, 0, keys.dim(3)?],
+                    &[1, 1, 1, 1],
+                )?)?,
+                self.buffer_from(&values.slice(
+                    &[0, 0, 0, 0],
+                    &[values.dim(0)?, values.dim(1)?, 0, values.dim(3)?],
+                    &[1, 1, 1, 1],
+                )?)?,
+            ),
+        };
+        let at = self.cursor as i32;
+        let (ks, vs) = (keys.shape(), values.shape());
+        let kbuf =
+            kbuf.slice_update(keys, &[0, 0, at, 0], &[ks[0], ks[1], at + 1, ks[3]], &[1, 1, 1, 1])?;
+        let vbuf = vbuf.slice_update(
+            values,
+            &[0, 0, at, 0],
+            &[vs[0], vs[1], at + 1, vs[3]],
+            &[1, 1, 1, 1],
+        )?;
+        let len = (self.len + 1).min(self.window);
+        // Every stored position is inside the window of the newest one: no mask. Attention is
+        // order-free once keys carry their rotary positions, so the ring needs no unrolling.
+        let (read_k, read_v) = if len < self.window {
+            let end = len as i32;
+            (
+                kbuf.slice(&[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]], &[1, 1, 1, 1])?,
+                vbuf.slice(&[0, 0, 0, 0], &[vs[0], vs[1], end, vs[3]], &[1, 1, 1, 1])?,
+            )
+        } else {
+            (kbuf.clone(), vbuf.clone())
+        };
+        self.keys = Some(kbuf);
+        self.values = Some(vbuf);
+        self.len = len;
+        self.cursor = (self.cursor + 1) % self.window;
+        self.offset += 1;
+        Ok(AttentionRead::new(read_k, read_v, ReadMask::None))
+    }
+
+    fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        let length = check_append(keys, values, false)?;
+        // History every new query may need: the last window − 1 stored positions.
+        let prior_len = self.len.min(self.window - 1);
+        let (full_k, full_v) = match (&self.keys, &self.values) {
+            (Some(k), Some(v)) if prior_len > 0 => {
+                let pk = self
+                    .recent(k, prior_len)?
+                    .ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
+                let pv = self
+                    .recent(v, prior_len)?
+                    .ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
+                (ops::concatenate(&[&pk, keys], 2)?, ops::concatenate(&[&pv, values], 2)?)
+            }
+            _ => (keys.clone(), values.clone()),
+        };
+        let total = prior_len + length;
+        let mask = if total <= self.window {
+            if length == 1 { ReadMask::None } else { ReadMask::Causal }
+        } else {
+            ReadMask::Array(window_mask(length, prior_len, self.window)?)
+        };
+        let keep = total.min(self.window);
+        let (fs, vs) = (full_k.shape(), full_v.shape());
+        let from = (total - keep) as i32;
+        let kept_k =
+            full_k.slice(&[0, 0, from, 0], &[fs[0], fs[1], total as i32, fs[3]], &[1, 1, 1, 1])?;
+        let kept_v =
+            full_v.slice(&[0, 0, from, 0], &[vs[0], vs[1], total as i32, vs[3]], &[1, 1, 1, 1])?;
+        let kbuf = self.buffer_from(&kept_k)?;
+        let vbuf = self.buffer_from(&kept_v)?;
+        self.keys = Some(kbuf);
+        self.values = Some(vbuf);
+        self.len = keep;
+        self.cursor = keep % self.window;
+        self.offset += length;
+        Ok(AttentionRead::new(full_k, full_v, mask))
+    }
+}
+
+/// `[L, P + L]` bool: query `i` (at column `P + i`) sees column `j` when `j <= P + i` and
+/// `P + i − j < window`.
+fn window_mask(length: usize, prior: usize, window: usize) -> Result<Array> {
+    let q = ops::arange(prior as f64, (prior + length) as f64, 1.0, Dtype::Int32)?
+        .reshape(&[length as i32, 1])?;
+    let k = ops::arange(0.0, (prior + length) as f64, 1.0, Dtype::Int32)?
+        .reshape(&[1, (prior + length) as i32])?;
+    let causal = q.ge(&k)?;
+    let within = q.subtract(&k)?.lt(&Array::scalar(window as i32)?)?;
+    Ok(causal.logical_and(&within)?)
+}

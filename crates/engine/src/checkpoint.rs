@@ -1,0 +1,280 @@
+//! Model directories: `config.json`, safetensors weights (one file or shards with an index),
+//! and MLX's affine quantization map.
+//!
+//! Two layouts load: mlx-community (affine-quantized or not, `language_model.model.*`) and
+//! Hugging Face (`model.language_model.*`, or `model.*` for text-only checkpoints). The model
+//! picks its tensors through a [`Weights`] view with the layout's prefix already applied.
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use mlx::Array;
+use mlx::quantized::QuantizedMatrix;
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// A model directory on disk, its config parsed and its weights loaded lazily.
+#[derive(Debug)]
+pub struct ModelDir {
+    /// The directory.
+    pub path: PathBuf,
+    /// `config.json` as JSON.
+    pub config: Value,
+    /// Every tensor of every shard, by name (data read when evaluated).
+    pub tensors: HashMap<String, Array>,
+}
+
+impl ModelDir {
+    /// Reads `config.json` and opens the safetensors weights: the shards listed by
+    /// `model.safetensors.index.json` when present, else every `model*.safetensors`.
+    pub fn open(path: impl AsRef<Path>) -> Result<ModelDir> {
+        let path = path.as_ref().to_path_buf();
+        let config = read_json(&path.join("config.json"))?;
+        let files = weight_files(&path)?;
+        let mut tensors = HashMap::new();
+        for file in files {
+            let loaded = mlx::io::load_safetensors(&file).map_err(|e| Error::CorruptWeights {
+                path: file.clone(),
+                message: e.message().to_string(),
+            })?;
+            tensors.extend(loaded.tensors);
+        }
+        Ok(ModelDir { path, config, tensors })
+    }
+
+    /// The weights under `prefix` (e.g. `language_model.model.`), with the quantization map.
+    pub fn weights(&self, prefix: &str) -> Result<Weights<'_>> {
+        Ok(Weights {
+            dir: self,
+            prefix: prefix.to_string(),
+            quantization: Quantization::from_config(&self.config)?,
+        })
+    }
+}
+
+/// Reads and parses a JSON file, naming the file in errors.
+pub fn read_json(path: &Path) -> Result<Value> {
+    let text = fs::read_to_string(path)
+        .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    serde_json::from_str(&text)
+        .map_err(|e| Error::Config { file: file_name(path), message: e.to_string() })
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let json = read_json(&index)?;
+        let map =
+            json.get("weight_map").and_then(Value::as_object).ok_or_else(|| Error::Config {
+                file: "model.safetensors.index.json".into(),
+                message: "missing key `weight_map`".into(),
+            })?;
+        let mut files: Vec<PathBuf> =
+            map.values().filter_map(Value::as_str).map(|f| dir.join(f)).collect();
+        files.sort();
+        files.dedup();
+        for file in &files {
+            if !file.is_file() {
+                return Err(Error::MissingShard { path: file.clone() });
+            }
+        }
+        return Ok(files);
+    }
+    let entries =
+        fs::read_dir(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = file_name(p);
+            name.starts_with("model") && name.ends_with(".safetensors")
+        })
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::MissingShard { path: dir.join("model.safetensors") });
+    }
+    Ok(files)
+}
+
+/// How one module is quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantSpec {
+    /// Values per group.
+    pub group_size: i32,
+    /// Bits per value.
+    pub bits: i32,
+}
+
+/// The `quantization` (or `quantization_config`) entry of `config.json`: defaults plus
+/// per-module overrides, where `false` means "not quantized".
+#[derive(Debug, Clone, Default)]
+pub struct Quantization {
+    default: Option<QuantSpec>,
+    overrides: HashMap<String, Option<QuantSpec>>,
+}
+
+impl Quantization {
+    fn from_config(config: &Value) -> Result<Quantization> {
+        let Some(map) = config.get("quantization").or_else(|| config.get("quantization_config"))
+        else {
+            return Ok(Quantization::default());
+        };
+        let Some(map) = map.as_object() else {
+            return Err(Error::Config {
+                file: "config.json".into(),
+                message: "`quantization` is not an object".into(),
+            });
+        };
+        if let Some(mode) = map.get("mode").and_then(Value::as_str)
+            && mode != "affine"
+        {
+            return Err(Error::Unsupported {
+                key: "quantization.mode".into(),
+                value: mode.into(),
+                reason: "only affine quantization is supported".into(),
+            });
+        }
+        let spec = |v: &Value| -> Option<QuantSpec> {
+            Some(QuantSpec {
+                group_size: v.get("group_size")?.as_i64()? as i32,
+                bits: v.get("bits")?.as_i64()? as i32,
+            })
+        };
+        let default = spec(&Value::Object(map.clone()));
+        let mut overrides = HashMap::new();
+        for (key, value) in map {
+            match value {
+                Value::Bool(false) => {
+                    overrides.insert(key.clone(), None);
+                }
+                Value::Object(_) => {
+                    if let Some(mode) = value.get("mode").and_then(Value::as_str)
+                        && mode != "affine"
+                    {
+                        return Err(Error::Unsupported {
+                            key: format!("quantization.{key}.mode"),
+                            value: mode.into(),
+                            reason: "only affine quantization is supported".into(),
+                        });
+                    }
+                    overrides.insert(key.clone(), spec(value));
+                }
+                _ => {}
+            }
+        }
+        Ok(Quantization { default, overrides })
+    }
+
+    /// The spec a config names for `path` (full tensor path without `.weight`), if any.
+    fn named(&self, path: &str) -> Option<Option<QuantSpec>> {
+        self.overrides.get(path).copied()
+    }
+}
+
+/// A view of a model directory's tensors under one prefix.
+#[derive(Debug)]
+pub struct Weights<'a> {
+    dir: &'a ModelDir,
+    prefix: String,
+    quantization: Quantization,
+}
+
+impl Weights<'_> {
+    /// Whether `name` (relative to the prefix) exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.dir.tensors.contains_key(&self.full(name))
+    }
+
+    fn full(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// The tensor `name`, checked against `shape`.
+    pub fn get(&self, name: &str, shape: &[i32]) -> Result<Array> {
+        let full = self.full(name);
+        let array = self.dir.tensors.get(&full).cloned().ok_or_else(|| Error::MissingTensor {
+            name: full.clone(),
+            dir: self.dir.path.clone(),
+        })?;
+        let actual = array.shape();
+        if actual != shape {
+            return Err(Error::TensorShape { name: full, actual, expected: shape.to_vec() });
+        }
+        Ok(array)
+    }
+
+    /// A matrix `[rows, cols]` (a linear layer's `[out, in]` or an embedding table), quantized
+    /// when `<module>.scales` exists. Group size and bits come from the config's map for this
+    /// module, else its defaults, else the shapes; the shapes must agree in every case.
+    pub fn matrix(&self, module: &str, rows: i32, cols: i32) -> Result<Matrix> {
+        let weight_name = format!("{module}.weight");
+        let scales_name = format!("{module}.scales");
+        let full_module = self.full(module);
+        if !self.contains(&scales_name) {
+            return Ok(Matrix::Dense(self.get(&weight_name, &[rows, cols])?));
+        }
+        let named = self.quantization.named(&full_module).or_else(|| {
+            // mlx-lm writes override keys without the `language_model.model.` style prefix too.
+            self.quantization.named(module)
+        });
+        if matches!(named, Some(None)) {
+            return Err(Error::Config {
+                file: "config.json".into(),
+                message: format!(
+                    "`quantization.{full_module}` is false but {full_module}.scales exists"
+                ),
+            });
+        }
+        let raw_weight =
+            self.dir.tensors.get(&self.full(&weight_name)).cloned().ok_or_else(|| {
+                Error::MissingTensor { name: self.full(&weight_name), dir: self.dir.path.clone() }
+            })?;
+        let scales = self.dir.tensors.get(&self.full(&scales_name)).cloned().ok_or_else(|| {
+            Error::MissingTensor { name: self.full(&scales_name), dir: self.dir.path.clone() }
+        })?;
+        let packed_cols = raw_weight.dim(-1)?;
+        let groups = scales.dim(-1)?;
+        let inferred =
+            QuantSpec { group_size: cols / groups.max(1), bits: 32 * packed_cols / cols.max(1) };
+        let spec = named.flatten().or(self.quantization.default).unwrap_or(inferred);
+        if spec != inferred || cols % spec.group_size != 0 {
+            return Err(Error::TensorShape {
+                name: self.full(&weight_name),
+                actual: raw_weight.shape(),
+                expected: vec![rows, cols * spec.bits / 32],
+            });
+        }
+        if ![2, 3, 4, 5, 6, 8].contains(&spec.bits) || ![32, 64, 128].contains(&spec.group_size) {
+            return Err(Error::Unsupported {
+                key: format!("quantization of {full_module}"),
+                value: format!("bits {} group {}", spec.bits, spec.group_size),
+                reason: "affine bits 2/3/4/5/6/8 with groups 32/64/128".into(),
+            });
+        }
+        let weight = self.get(&weight_name, &[rows, cols * spec.bits / 32])?;
+        let scales = self.get(&scales_name, &[rows, cols / spec.group_size])?;
+        let biases = self.get(&format!("{module}.biases"), &[rows, cols / spec.group_size])?;
+        Ok(Matrix::Quantized(QuantizedMatrix {
+            weight,
+            scales,
+            biases,
+            group_size: spec.group_size,
+            bits: spec.bits,
+        }))
+    }
+}
+
+/// A weight matrix, dense or affine-quantized.
+#[derive(Debug, Clone)]
+pub enum Matrix {
+    /// Floating point `[rows, cols]`.
+    Dense(Array),
+    /// Packed with per-group scales and biases.
+    Quantized(QuantizedMatrix),
+}

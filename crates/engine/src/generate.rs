@@ -1,0 +1,231 @@
+//! The generation loop: chunked prefill through window appends, then a decode loop that
+//! builds step *t+1* before reading token *t* (`async_eval` pipelining), streaming each token
+//! to a callback, with stop tokens, a token budget, cancellation and a context guard.
+
+use std::time::Instant;
+
+use mlx::Array;
+
+use crate::cache::AttentionCache;
+use crate::error::{Error, Result};
+use crate::models::{Model, Phase};
+use crate::sampling::{Sampler, SamplingParams};
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// Token ids to append to the caches before generating (the whole prompt, or the part
+    /// after a cached prefix).
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling settings.
+    pub sampling: SamplingParams,
+    /// Token ids that end the reply (emitted, then generation stops).
+    pub stop_tokens: Vec<u32>,
+    /// Positions per prefill chunk.
+    pub prefill_step: usize,
+}
+
+impl GenerateRequest {
+    /// A greedy request for `prompt` with the model's default stop tokens left to the caller.
+    pub fn new(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+        GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_tokens: Vec::new(),
+            prefill_step: 512,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop token was generated.
+    StopToken,
+    /// `max_tokens` reached.
+    MaxTokens,
+    /// The callback asked to stop (user stop, stop string).
+    Stopped,
+}
+
+impl StopReason {
+    /// `stop`, `length` or `stopped` (the words the CLI's JSON uses).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::StopToken => "stop",
+            StopReason::MaxTokens => "length",
+            StopReason::Stopped => "stopped",
+        }
+    }
+}
+
+/// What the token callback tells the loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    /// Keep going.
+    Continue,
+    /// Stop now (the token just passed is kept).
+    Stop,
+}
+
+/// Timings and counts of one generation.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationStats {
+    /// Tokens prefilled.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+    /// From the call to the first generated token, in ms.
+    pub ttft_ms: f64,
+    /// Prompt tokens per second of the prefill.
+    pub prefill_tok_s: f64,
+    /// Generated tokens per second after the first.
+    pub decode_tok_s: f64,
+    /// MLX's peak memory during the call, in bytes.
+    pub peak_mem_bytes: usize,
+}
+
+/// The result of [`generate`].
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Generated ids, in order (a stop token included).
+    pub tokens: Vec<u32>,
+    /// Why it ended.
+    pub stop_reason: StopReason,
+    /// Timings.
+    pub stats: GenerationStats,
+}
+
+/// Checks that a prompt fits: non-empty, ids in the vocabulary, and room for the reply.
+pub fn check_prompt(
+    model: &dyn Model,
+    cached: usize,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidRequest("the prompt is empty".into()));
+    }
+    let vocab = model.vocab_size();
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::InvalidRequest(format!(
+            "token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    let limit = model.max_context();
+    if cached + prompt.len() + max_tokens > limit {
+        return Err(Error::ContextOverflow {
+            prompt_tokens: cached + prompt.len(),
+            max_new_tokens: max_tokens,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+/// Prefills `tokens` in chunks of `step` through window appends; returns the last position's
+/// logits `[1, V]`.
+pub fn prefill(
+    model: &dyn Model,
+    caches: &mut [Box<dyn AttentionCache>],
+    tokens: &[u32],
+    step: usize,
+) -> Result<Array> {
+    let step = step.max(1);
+    let mut last = None;
+    for chunk in tokens.chunks(step) {
+        let ids = crate::models::gemma4::token_array(chunk)?;
+        let logits = model.forward(&ids, caches, Phase::Window)?;
+        let s = logits.shape();
+        let row =
+            logits.slice(&[0, s[1] - 1, 0], &[1, s[1], s[2]], &[1, 1, 1])?.reshape(&[1, s[2]])?;
+        // Evaluate chunk by chunk so the graph (and memory) stays bounded on long prompts.
+        mlx::eval(&[&row])?;
+        last = Some(row);
+    }
+    last.ok_or_else(|| Error::InvalidRequest("the prompt is empty".into()))
+}
+
+/// Generates after appending `request.prompt` to `caches`, streaming each token to `on_token`.
+pub fn generate(
+    model: &dyn Model,
+    caches: &mut [Box<dyn AttentionCache>],
+    request: &GenerateRequest,
+    mut on_token: impl FnMut(u32) -> Flow,
+) -> Result<Generation> {
+    let cached = caches.first().map_or(0, |c| c.offset());
+    check_prompt(model, cached, &request.prompt, request.max_tokens)?;
+    let mut sampler = Sampler::new(request.sampling.clone())?;
+    let pipelined =
+        request.sampling.repetition_penalty == 1.0 && request.sampling.presence_penalty == 0.0;
+    mlx::device::memory::reset_peak()?;
+    let start = Instant::now();
+
+    let logits = prefill(model, caches, &request.prompt, request.prefill_step)?;
+    let mut history = request.prompt.clone();
+    let mut tokens = Vec::new();
+    let mut stats =
+        GenerationStats { prompt_tokens: request.prompt.len(), ..GenerationStats::default() };
+    if request.max_tokens == 0 {
+        stats.peak_mem_bytes = mlx::device::memory::peak()?;
+        return Ok(Generation { tokens, stop_reason: StopReason::MaxTokens, stats });
+    }
+    let mut y = sampler.sample(&logits, &history)?;
+    mlx::async_eval(&[&y])?;
+    let mut first_at = None;
+    let stop_reason = loop {
+        // Build the next step on the still-lazy token before reading it.
+        let more = tokens.len() + 1 < request.max_tokens;
+        let mut next = None;
+        if more && pipelined {
+            let step_logits = model.forward(&y.reshape(&[1, 1])?, caches, Phase::Decode)?;
+            let v = step_logits.dim(-1)?;
+            let n = sampler.sample(&step_logits.reshape(&[1, v])?, &history)?;
+            mlx::async_eval(&[&n])?;
+            next = Some(n);
+        }
+        let token = y.item::<u32>()?;
+        if first_at.is_none() {
+            let now = Instant::now();
+            stats.ttft_ms = now.duration_since(start).as_secs_f64() * 1e3;
+            stats.prefill_tok_s =
+                request.prompt.len() as f64 / now.duration_since(start).as_secs_f64();
+            first_at = Some(now);
+        }
+        tokens.push(token);
+        history.push(token);
+        if request.stop_tokens.contains(&token) {
+            break StopReason::StopToken;
+        }
+        if on_token(token) == Flow::Stop {
+            break StopReason::Stopped;
+        }
+        if !more {
+            break StopReason::MaxTokens;
+        }
+        y = match next {
+            Some(n) => n,
+            None => {
+                let step_logits = model.forward(&y.reshape(&[1, 1])?, caches, Phase::Decode)?;
+                let v = step_logits.dim(-1)?;
+                sampler.sample(&step_logits.reshape(&[1, v])?, &history)?
+            }
+        };
+    };
+    if stop_reason == StopReason::StopToken {
+        // The stop token is still reported to the caller's stream.
+        let _ = on_token(*tokens.last().unwrap_or(&0));
+    }
+    stats.generated_tokens = tokens.len();
+    if let Some(first) = first_at {
+        let decode_secs = first.elapsed().as_secs_f64();
+        if tokens.len() > 1 && decode_secs > 0.0 {
+            stats.decode_tok_s = (tokens.len() - 1) as f64 / decode_secs;
+        }
+    }
+    stats.peak_mem_bytes = mlx::device::memory::peak()?;
+    Ok(Generation { tokens, stop_reason, stats })
+}

@@ -1,0 +1,37 @@
+//! Models: the [`Model`] trait and one module per architecture.
+
+pub mod gemma4;
+
+use mlx::Array;
+
+use crate::cache::AttentionCache;
+use crate::error::Result;
+
+/// Which cache phase a forward pass appends with (the phase is never inferred from a length).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Several new positions, causal among themselves (prefill chunks, verify windows).
+    Window,
+    /// Exactly one new position.
+    Decode,
+}
+
+/// A causal language model over the cache stack.
+pub trait Model: std::fmt::Debug {
+    /// Fresh caches for one sequence, one per layer that stores keys and values (KV-sharing
+    /// layers have none, so this can be shorter than the layer list).
+    fn new_caches(&self) -> Result<Vec<Box<dyn AttentionCache>>>;
+    /// Logits `[B, T, vocab]` for token ids `[B, T]` appended to `caches` with `phase`.
+    fn forward(
+        &self,
+        tokens: &Array,
+        caches: &mut [Box<dyn AttentionCache>],
+        phase: Phase,
+    ) -> Result<Array>;
+    /// Vocabulary size of the output head.
+    fn vocab_size(&self) -> usize;
+    /// Longest sequence the model supports.
+    fn max_context(&self) -> usize;
+    /// Token ids that end a reply according to the config (`eos_token_id`).
+    fn eos_token_ids(&self) -> Vec<u32>;
+}

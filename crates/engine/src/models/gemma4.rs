@@ -1,0 +1,681 @@
+//! Gemma 4 text (dense): `gemma4` checkpoints (text path of the multimodal model) and
+//! `gemma4_text`. Ported from mlx-vlm 0.7.10 `models/gemma4/language.py` and mlx-lm 0.32.2
+//! `models/gemma4_text.py`; see `shared/reference/engine.md` §1.
+//!
+//! Per-layer embeddings (PLE), sliding and full layers with their own rope (proportional on
+//! full layers), q/k/v norms with attention scale 1, KV-shared tail layers that attend their
+//! donor's read, double-wide MLPs on shared layers, `attention_k_eq_v`, `layer_scalar`, final
+//! logit softcapping and a tied head. MoE is refused at load.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use mlx::Array;
+use mlx::fast::{RopeFrequencies, RopeOffset, rope};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::cache::{AttentionCache, AttentionRead, PlainCache, RotatingCache};
+use crate::checkpoint::{ModelDir, Weights};
+use crate::error::{Error, Result};
+use crate::models::{Model, Phase};
+use crate::nn::{Embedding, Linear, RmsNorm};
+
+/// Rope settings of one layer type (`rope_parameters.<layer type>`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct RopeParameters {
+    /// `default` or `proportional`.
+    #[serde(default = "default_rope_type")]
+    pub rope_type: String,
+    /// θ.
+    pub rope_theta: f64,
+    /// Fraction of each head's dimensions that rotate (proportional rope).
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    /// Frequency factor (proportional rope).
+    #[serde(default)]
+    pub factor: Option<f64>,
+}
+
+fn default_rope_type() -> String {
+    "default".into()
+}
+
+/// `text_config` of a `gemma4` checkpoint, or the whole config of a `gemma4_text` one.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Gemma4TextConfig {
+    /// Residual width.
+    pub hidden_size: i32,
+    /// MLP width (doubled on KV-shared layers when `use_double_wide_mlp`).
+    pub intermediate_size: i32,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: i32,
+    /// Key/value heads of sliding layers (and full layers unless `attention_k_eq_v`).
+    pub num_key_value_heads: i32,
+    /// Key/value heads of full layers with `attention_k_eq_v`.
+    #[serde(default)]
+    pub num_global_key_value_heads: Option<i32>,
+    /// Head dimension of sliding layers.
+    pub head_dim: i32,
+    /// Head dimension of full layers.
+    #[serde(default)]
+    pub global_head_dim: Option<i32>,
+    /// Vocabulary.
+    pub vocab_size: i32,
+    /// RMS norm epsilon.
+    pub rms_norm_eps: f32,
+    /// `sliding_attention` / `full_attention` per layer.
+    pub layer_types: Vec<String>,
+    /// Keys visible to a query on sliding layers, itself included.
+    pub sliding_window: usize,
+    /// Rope per layer type.
+    pub rope_parameters: HashMap<String, RopeParameters>,
+    /// Rotate interleaved pairs instead of halves.
+    #[serde(default)]
+    pub rope_traditional: bool,
+    /// Full layers take values from the raw `k_proj` output.
+    #[serde(default)]
+    pub attention_k_eq_v: bool,
+    /// The last N layers reuse a donor's keys and values.
+    #[serde(default)]
+    pub num_kv_shared_layers: usize,
+    /// Per-layer embedding width (0: no PLE).
+    #[serde(default)]
+    pub hidden_size_per_layer_input: i32,
+    /// Per-layer embedding vocabulary.
+    #[serde(default)]
+    pub vocab_size_per_layer_input: Option<i32>,
+    /// KV-shared layers get a doubled MLP.
+    #[serde(default)]
+    pub use_double_wide_mlp: bool,
+    /// `tanh(x / c) · c` on the logits.
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f32>,
+    /// Mixture-of-experts block (not supported yet).
+    #[serde(default)]
+    pub enable_moe_block: bool,
+    /// The LM head is the embedding table.
+    #[serde(default = "default_true")]
+    pub tie_word_embeddings: bool,
+    /// Context length.
+    #[serde(default = "default_max_positions")]
+    pub max_position_embeddings: usize,
+    /// End-of-sequence id(s).
+    #[serde(default)]
+    pub eos_token_id: Option<Value>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_max_positions() -> usize {
+    131_072
+}
+
+impl Gemma4TextConfig {
+    /// Parses the text config out of a checkpoint's `config.json` (`gemma4` or `gemma4_text`),
+    /// refusing what this engine does not implement with the key that asks for it.
+    pub fn from_checkpoint_config(config: &Value) -> Result<(Gemma4TextConfig, String)> {
+        let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
+        let (text, prefix_key) = match model_type {
+            "gemma4" => {
+                let text = config.get("text_config").ok_or_else(|| Error::Config {
+                    file: "config.json".into(),
+                    message: "missing key `text_config`".into(),
+                })?;
+                (text.clone(), "text_config.")
+            }
+            "gemma4_text" => (config.clone(), ""),
+            other => {
+                return Err(Error::Unsupported {
+                    key: "model_type".into(),
+                    value: other.into(),
+                    reason: "supported: gemma4, gemma4_text".into(),
+                });
+            }
+        };
+        let mut parsed: Gemma4TextConfig = serde_json::from_value(text).map_err(|e| {
+            Error::Config { file: "config.json".into(), message: format!("{prefix_key}: {e}") }
+        })?;
+        if parsed.eos_token_id.is_none() {
+            parsed.eos_token_id = config.get("eos_token_id").cloned();
+        }
+        if parsed.enable_moe_block {
+            return Err(Error::Unsupported {
+                key: format!("{prefix_key}enable_moe_block"),
+                value: "true".into(),
+                reason: "Gemma 4 MoE arrives in a later release".into(),
+            });
+        }
+        if parsed.layer_types.len() != parsed.num_hidden_layers {
+            return Err(Error::Config {
+                file: "config.json".into(),
+                message: format!(
+                    "{prefix_key}layer_types has {} entries for {} layers",
+                    parsed.layer_types.len(),
+                    parsed.num_hidden_layers
+                ),
+            });
+        }
+        for (i, kind) in parsed.layer_types.iter().enumerate() {
+            if kind != "sliding_attention" && kind != "full_attention" {
+                return Err(Error::Unsupported {
+                    key: format!("{prefix_key}layer_types[{i}]"),
+                    value: kind.clone(),
+                    reason: "sliding_attention or full_attention".into(),
+                });
+            }
+            let Some(rope) = parsed.rope_parameters.get(kind) else {
+                return Err(Error::Config {
+                    file: "config.json".into(),
+                    message: format!("missing key `{prefix_key}rope_parameters.{kind}`"),
+                });
+            };
+            if rope.rope_type != "default" && rope.rope_type != "proportional" {
+                return Err(Error::Unsupported {
+                    key: format!("{prefix_key}rope_parameters.{kind}.rope_type"),
+                    value: rope.rope_type.clone(),
+                    reason: "default or proportional".into(),
+                });
+            }
+        }
+        if parsed.num_kv_shared_layers >= parsed.num_hidden_layers {
+            return Err(Error::Config {
+                file: "config.json".into(),
+                message: format!(
+                    "{prefix_key}num_kv_shared_layers must be below num_hidden_layers"
+                ),
+            });
+        }
+        let prefix = if model_type == "gemma4" { "language_model.model." } else { "model." };
+        Ok((parsed, prefix.into()))
+    }
+}
+
+/// Rotary embedding of one layer type.
+#[derive(Debug, Clone)]
+struct Rope {
+    dims: i32,
+    traditional: bool,
+    base: f32,
+    /// Periods for proportional rope (`inf` for the pairs that do not rotate).
+    freqs: Option<Array>,
+}
+
+impl Rope {
+    fn new(params: &RopeParameters, dims: i32, traditional: bool) -> Result<Rope> {
+        let freqs = if params.rope_type == "proportional" {
+            // As mlx-lm's ProportionalRoPE: rotated = int(dims · factor_partial), periods
+            // factor · θ^(2i/dims) for the rotated pairs, infinite for the rest.
+            let rotated = (f64::from(dims) * params.partial_rotary_factor.unwrap_or(1.0)) as i32;
+            let factor = params.factor.unwrap_or(1.0);
+            let mut periods: Vec<f32> = (0..rotated / 2)
+                .map(|i| {
+                    (factor * params.rope_theta.powf(f64::from(2 * i) / f64::from(dims))) as f32
+                })
+                .collect();
+            periods.resize((dims / 2) as usize, f32::INFINITY);
+            Some(Array::from_slice(&periods, &[dims / 2])?)
+        } else {
+            None
+        };
+        Ok(Rope { dims, traditional, base: params.rope_theta as f32, freqs })
+    }
+
+    fn apply(&self, x: &Array, offset: i32) -> Result<Array> {
+        let frequencies = match &self.freqs {
+            Some(f) => RopeFrequencies::Custom(f),
+            None => RopeFrequencies::Base(self.base),
+        };
+        Ok(rope(x, self.dims, self.traditional, frequencies, 1.0, RopeOffset::Fixed(offset))?)
+    }
+}
+
+#[derive(Debug)]
+struct Attention {
+    q_proj: Linear,
+    /// `None` on KV-shared layers.
+    kv: Option<KeyValue>,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    heads: i32,
+    head_dim: i32,
+    sliding: bool,
+}
+
+#[derive(Debug)]
+struct KeyValue {
+    k_proj: Linear,
+    /// `None` with `attention_k_eq_v` (values are the raw `k_proj` output).
+    v_proj: Option<Linear>,
+    k_norm: RmsNorm,
+    v_norm: RmsNorm,
+    kv_heads: i32,
+}
+
+#[derive(Debug)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+#[derive(Debug)]
+struct PerLayerInput {
+    gate: Linear,
+    projection: Linear,
+    post_norm: RmsNorm,
+}
+
+#[derive(Debug)]
+struct DecoderLayer {
+    attention: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    pre_feedforward_layernorm: RmsNorm,
+    post_feedforward_layernorm: RmsNorm,
+    per_layer: Option<PerLayerInput>,
+    layer_scalar: Array,
+}
+
+#[derive(Debug)]
+struct Ple {
+    embed: Embedding,
+    model_projection: Linear,
+    projection_norm: RmsNorm,
+    width: i32,
+}
+
+/// The Gemma 4 text decoder with its tied head.
+#[derive(Debug)]
+pub struct Gemma4Text {
+    config: Gemma4TextConfig,
+    embed_tokens: Embedding,
+    ple: Option<Ple>,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+    /// For each layer, the layer whose keys and values it attends (itself unless shared).
+    kv_source: Vec<usize>,
+    /// Index of the first KV-shared layer (= number of caches).
+    first_shared: usize,
+    rope_sliding: Rope,
+    rope_full: Rope,
+}
+
+impl Gemma4Text {
+    /// Loads a `gemma4` or `gemma4_text` checkpoint directory.
+    pub fn load(path: impl AsRef<Path>) -> Result<Gemma4Text> {
+        let dir = ModelDir::open(path)?;
+        Gemma4Text::from_dir(&dir)
+    }
+
+    /// Builds the model from an opened directory.
+    pub fn from_dir(dir: &ModelDir) -> Result<Gemma4Text> {
+        let (config, mut prefix) = Gemma4TextConfig::from_checkpoint_config(&dir.config)?;
+        // Hugging Face layout of the multimodal checkpoint: `model.language_model.*`.
+        if prefix == "language_model.model." && !dir.tensors.keys().any(|k| k.starts_with(&prefix))
+        {
+            prefix = "model.language_model.".into();
+        }
+        let w = dir.weights(&prefix)?;
+        let c = &config;
+        let hidden = c.hidden_size;
+        let layers_n = c.num_hidden_layers;
+        let first_shared = layers_n - c.num_kv_shared_layers;
+        let embed_tokens = Embedding::new(w.matrix("embed_tokens", c.vocab_size, hidden)?);
+
+        let ple = if c.hidden_size_per_layer_input > 0 {
+            let width = c.hidden_size_per_layer_input;
+            let total = layers_n as i32 * width;
+            Some(Ple {
+                embed: Embedding::new(w.matrix(
+                    "embed_tokens_per_layer",
+                    c.vocab_size_per_layer_input.unwrap_or(c.vocab_size),
+                    total,
+                )?),
+                model_projection: Linear::new(w.matrix(
+                    "per_layer_model_projection",
+                    total,
+                    hidden,
+                )?),
+                projection_norm: RmsNorm::new(
+                    w.get("per_layer_projection_norm.weight", &[width])?,
+                    c.rms_norm_eps,
+                ),
+                width,
+            })
+        } else {
+            None
+        };
+
+        let mut layers = Vec::with_capacity(layers_n);
+        let mut kv_source: Vec<usize> = (0..layers_n).collect();
+        let mut last_of_type: HashMap<&str, usize> = HashMap::new();
+        for i in 0..layers_n {
+            let kind = c.layer_types[i].as_str();
+            if i < first_shared {
+                last_of_type.insert(kind, i);
+            } else {
+                kv_source[i] = *last_of_type.get(kind).ok_or_else(|| Error::Config {
+                    file: "config.json".into(),
+                    message: format!(
+                        "KV-shared layer {i} ({kind}) has no earlier {kind} layer to share from"
+                    ),
+                })?;
+            }
+            layers.push(load_layer(&w, c, i, i >= first_shared)?);
+        }
+        let norm = RmsNorm::new(w.get("norm.weight", &[hidden])?, c.rms_norm_eps);
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            let root = Weights::from_prefix_parent(dir, &prefix)?;
+            Some(Linear::new(root.matrix("lm_head", c.vocab_size, hidden)?))
+        };
+        let sliding_dims = c.head_dim;
+        let full_dims = c.global_head_dim.unwrap_or(c.head_dim);
+        let rope_sliding =
+            Rope::new(&c.rope_parameters["sliding_attention"], sliding_dims, c.rope_traditional)
+                .or_else(|_| {
+                    Rope::new(
+                        &c.rope_parameters["full_attention"],
+                        sliding_dims,
+                        c.rope_traditional,
+                    )
+                })?;
+        let rope_full = match c.rope_parameters.get("full_attention") {
+            Some(p) => Rope::new(p, full_dims, c.rope_traditional)?,
+            None => rope_sliding.clone(),
+        };
+        Ok(Gemma4Text {
+            config,
+            embed_tokens,
+            ple,
+            layers,
+            norm,
+            lm_head,
+            kv_source,
+            first_shared,
+            rope_sliding,
+            rope_full,
+        })
+    }
+
+    /// The parsed text config.
+    pub fn config(&self) -> &Gemma4TextConfig {
+        &self.config
+    }
+
+    /// Per-layer inputs `[B, T, layers, width]` for token ids and the scaled embeddings.
+    fn per_layer_inputs(&self, ple: &Ple, tokens: &Array, h: &Array) -> Result<Array> {
+        let shape = tokens.shape();
+        let n = self.layers.len() as i32;
+        let full = [shape[0], shape[1], n, ple.width];
+        let token_part = ple
+            .embed
+            .forward(tokens)?
+            .multiply_scalar(f64::from(ple.width).sqrt())?
+            .reshape(&full)?;
+        let context = ple
+            .model_projection
+            .forward(h)?
+            .multiply_scalar(f64::from(self.config.hidden_size).powf(-0.5))?
+            .reshape(&full)?;
+        let context = ple.projection_norm.forward(&context)?;
+        Ok(context.add(&token_part)?.multiply_scalar(2f64.powf(-0.5))?)
+    }
+}
+
+impl Weights<'_> {
+    fn from_prefix_parent<'d>(dir: &'d ModelDir, prefix: &str) -> Result<Weights<'d>> {
+        // `language_model.model.` → `language_model.`; `model.` → ``.
+        let trimmed = prefix.trim_end_matches('.');
+        let parent = match trimmed.rfind('.') {
+            Some(i) => &prefix[..=i],
+            None => "",
+        };
+        dir.weights(parent)
+    }
+}
+
+fn load_layer(
+    w: &Weights<'_>,
+    c: &Gemma4TextConfig,
+    i: usize,
+    shared: bool,
+) -> Result<DecoderLayer> {
+    let p = format!("layers.{i}.");
+    let hidden = c.hidden_size;
+    let eps = c.rms_norm_eps;
+    let sliding = c.layer_types[i] == "sliding_attention";
+    let head_dim = if sliding { c.head_dim } else { c.global_head_dim.unwrap_or(c.head_dim) };
+    let k_eq_v = c.attention_k_eq_v && !sliding;
+    let kv_heads = match (k_eq_v, c.num_global_key_value_heads) {
+        (true, Some(n)) => n,
+        _ => c.num_key_value_heads,
+    };
+    let heads = c.num_attention_heads;
+    let a = format!("{p}self_attn.");
+    let kv = if shared {
+        None
+    } else {
+        Some(KeyValue {
+            k_proj: Linear::new(w.matrix(&format!("{a}k_proj"), kv_heads * head_dim, hidden)?),
+            v_proj: if k_eq_v {
+                None
+            } else {
+                Some(Linear::new(w.matrix(&format!("{a}v_proj"), kv_heads * head_dim, hidden)?))
+            },
+            k_norm: RmsNorm::new(w.get(&format!("{a}k_norm.weight"), &[head_dim])?, eps),
+            v_norm: RmsNorm::unscaled(eps),
+            kv_heads,
+        })
+    };
+    let attention = Attention {
+        q_proj: Linear::new(w.matrix(&format!("{a}q_proj"), heads * head_dim, hidden)?),
+        kv,
+        o_proj: Linear::new(w.matrix(&format!("{a}o_proj"), hidden, heads * head_dim)?),
+        q_norm: RmsNorm::new(w.get(&format!("{a}q_norm.weight"), &[head_dim])?, eps),
+        heads,
+        head_dim,
+        sliding,
+    };
+    let width =
+        if shared && c.use_double_wide_mlp { 2 * c.intermediate_size } else { c.intermediate_size };
+    let m = format!("{p}mlp.");
+    let mlp = Mlp {
+        gate_proj: Linear::new(w.matrix(&format!("{m}gate_proj"), width, hidden)?),
+        up_proj: Linear::new(w.matrix(&format!("{m}up_proj"), width, hidden)?),
+        down_proj: Linear::new(w.matrix(&format!("{m}down_proj"), hidden, width)?),
+    };
+    let norm = |name: &str| -> Result<RmsNorm> {
+        Ok(RmsNorm::new(w.get(&format!("{p}{name}.weight"), &[hidden])?, eps))
+    };
+    let per_layer = if c.hidden_size_per_layer_input > 0 {
+        let width = c.hidden_size_per_layer_input;
+        Some(PerLayerInput {
+            gate: Linear::new(w.matrix(&format!("{p}per_layer_input_gate"), width, hidden)?),
+            projection: Linear::new(w.matrix(
+                &format!("{p}per_layer_projection"),
+                hidden,
+                width,
+            )?),
+            post_norm: norm("post_per_layer_input_norm")?,
+        })
+    } else {
+        None
+    };
+    Ok(DecoderLayer {
+        attention,
+        mlp,
+        input_layernorm: norm("input_layernorm")?,
+        post_attention_layernorm: norm("post_attention_layernorm")?,
+        pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
+        post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
+        per_layer,
+        layer_scalar: w.get(&format!("{p}layer_scalar"), &[1])?,
+    })
+}
+
+impl Attention {
+    /// Returns the output and, for a layer with its own cache, the read KV-sharing layers use.
+    fn forward(
+        &self,
+        x: &Array,
+        rope: &Rope,
+        offset: i32,
+        cache: Option<&mut Box<dyn AttentionCache>>,
+        shared: Option<&AttentionRead>,
+        phase: Phase,
+    ) -> Result<(Array, Option<AttentionRead>)> {
+        let s = x.shape();
+        let (b, l) = (s[0], s[1]);
+        let q = self.q_proj.forward(x)?.reshape(&[b, l, self.heads, self.head_dim])?;
+        let q = self.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?; // [B, H, L, D]
+        let q = rope.apply(&q, offset)?;
+        let (read, own) = match (&self.kv, shared) {
+            (Some(kv), _) => {
+                let cache = cache.ok_or_else(|| {
+                    Error::InvalidRequest("a layer with keys and values needs a cache".into())
+                })?;
+                let raw_k = kv.k_proj.forward(x)?.reshape(&[b, l, kv.kv_heads, self.head_dim])?;
+                let raw_v = match &kv.v_proj {
+                    Some(v_proj) => {
+                        v_proj.forward(x)?.reshape(&[b, l, kv.kv_heads, self.head_dim])?
+                    }
+                    None => raw_k.clone(), // attention_k_eq_v: values from k_proj before k_norm
+                };
+                let k = kv.k_norm.forward(&raw_k)?.transpose(&[0, 2, 1, 3])?;
+                let k = rope.apply(&k, offset)?;
+                let v = kv.v_norm.forward(&raw_v)?.transpose(&[0, 2, 1, 3])?;
+                let read = match phase {
+                    Phase::Window => cache.append_window(&k, &v)?,
+                    Phase::Decode => cache.append_decode(&k, &v)?,
+                };
+                (read.clone(), Some(read))
+            }
+            (None, Some(donor)) => (donor.clone(), None),
+            (None, None) => {
+                return Err(Error::InvalidRequest(
+                    "KV-shared layer without its donor's read".into(),
+                ));
+            }
+        };
+        let out = read.attend(&q, 1.0)?; // q_norm/k_norm replace the 1/sqrt(d) scale
+        let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, self.heads * self.head_dim])?;
+        Ok((self.o_proj.forward(&out)?, own))
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let gate = self.gate_proj.forward(x)?.gelu_approx()?;
+        Ok(self.down_proj.forward(&gate.multiply(&self.up_proj.forward(x)?)?)?)
+    }
+}
+
+impl Model for Gemma4Text {
+    fn new_caches(&self) -> Result<Vec<Box<dyn AttentionCache>>> {
+        (0..self.first_shared)
+            .map(|i| -> Result<Box<dyn AttentionCache>> {
+                if self.config.layer_types[i] == "sliding_attention" {
+                    Ok(Box::new(RotatingCache::new(self.config.sliding_window)?))
+                } else {
+                    Ok(Box::new(PlainCache::new()))
+                }
+            })
+            .collect()
+    }
+
+    fn forward(
+        &self,
+        tokens: &Array,
+        caches: &mut [Box<dyn AttentionCache>],
+        phase: Phase,
+    ) -> Result<Array> {
+        if caches.len() != self.first_shared {
+            return Err(Error::InvalidRequest(format!(
+                "Gemma 4 needs {} caches, got {}",
+                self.first_shared,
+                caches.len()
+            )));
+        }
+        let offset = caches.first().map_or(0, |c| c.offset()) as i32;
+        let mut h = self
+            .embed_tokens
+            .forward(tokens)?
+            .multiply_scalar(f64::from(self.config.hidden_size).sqrt())?;
+        let per_layer = match &self.ple {
+            Some(ple) => Some(self.per_layer_inputs(ple, tokens, &h)?),
+            None => None,
+        };
+        let mut reads: Vec<Option<AttentionRead>> = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let rope = if layer.attention.sliding { &self.rope_sliding } else { &self.rope_full };
+            let cache = if i < self.first_shared { caches.get_mut(i) } else { None };
+            let shared = if i >= self.first_shared {
+                reads.get(self.kv_source[i]).and_then(Option::as_ref)
+            } else {
+                None
+            };
+            let normed = layer.input_layernorm.forward(&h)?;
+            let (attn, own) =
+                layer.attention.forward(&normed, rope, offset, cache, shared, phase)?;
+            reads.push(own);
+            h = h.add(&layer.post_attention_layernorm.forward(&attn)?)?;
+            let ff = layer.mlp.forward(&layer.pre_feedforward_layernorm.forward(&h)?)?;
+            h = h.add(&layer.post_feedforward_layernorm.forward(&ff)?)?;
+            if let (Some(pl), Some(inputs)) = (&layer.per_layer, &per_layer) {
+                let s = inputs.shape();
+                let li = i as i32;
+                let slice = inputs
+                    .slice(&[0, 0, li, 0], &[s[0], s[1], li + 1, s[3]], &[1, 1, 1, 1])?
+                    .squeeze(&[2])?;
+                let gate = pl.gate.forward(&h)?.gelu_approx()?.multiply(&slice)?;
+                h = h.add(&pl.post_norm.forward(&pl.projection.forward(&gate)?)?)?;
+            }
+            h = h.multiply(&layer.layer_scalar)?;
+        }
+        let h = self.norm.forward(&h)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => self.embed_tokens.as_linear(&h)?,
+        };
+        match self.config.final_logit_softcapping {
+            Some(cap) if cap > 0.0 => {
+                let c = logits.scalar_like(f64::from(cap))?;
+                Ok(logits.divide(&c)?.tanh()?.multiply(&c)?)
+            }
+            _ => Ok(logits),
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size as usize
+    }
+
+    fn max_context(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+
+    fn eos_token_ids(&self) -> Vec<u32> {
+        match &self.config.eos_token_id {
+            Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+            Some(Value::Array(items)) => {
+                items.iter().filter_map(Value::as_u64).map(|v| v as u32).collect()
+            }
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// Token ids `[1, T]` as an int32 array.
+pub fn token_array(tokens: &[u32]) -> Result<Array> {
+    let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+    Ok(Array::from_slice(&ids, &[1, ids.len() as i32])?)
+}
