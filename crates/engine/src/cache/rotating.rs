@@ -114,6 +114,9 @@ impl Cache for RotatingCache {
             self.recent(v, self.len)?.ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
         let mut state = state_of(self.signature(), self.offset, keys, values);
         state.metadata.insert("window".into(), self.window.to_string());
+        // Where the oldest position sits in a full ring, so a restore rebuilds the same
+        // physical layout (and attention sums in the same order: bit-identical reads).
+        state.metadata.insert("cursor".into(), self.cursor.to_string());
         Ok(state)
     }
 
@@ -133,10 +136,15 @@ impl Cache for RotatingCache {
                 self.window
             )));
         }
-        self.keys = Some(self.buffer_from(keys)?);
-        self.values = Some(self.buffer_from(values)?);
+        let cursor = if len == self.window {
+            state.number("cursor").unwrap_or(0) % self.window
+        } else {
+            len % self.window
+        };
+        self.keys = Some(self.buffer_from(&ring_layout(keys, cursor)?)?);
+        self.values = Some(self.buffer_from(&ring_layout(values, cursor)?)?);
         self.len = len;
-        self.cursor = len % self.window;
+        self.cursor = cursor;
         self.offset = offset;
         Ok(())
     }
@@ -247,6 +255,19 @@ impl AttentionCache for RotatingCache {
         self.offset += length;
         Ok(AttentionRead::new(full_k, full_v, mask))
     }
+}
+
+/// Entries in temporal order laid out as a full ring whose oldest slot is `cursor`.
+fn ring_layout(temporal: &Array, cursor: usize) -> Result<Array> {
+    if cursor == 0 {
+        return Ok(temporal.clone());
+    }
+    let s = temporal.shape();
+    let n = s[2];
+    let split = n - cursor as i32; // temporal[..split] goes to slots cursor.., the rest to 0..cursor
+    let older = temporal.slice(&[0, 0, 0, 0], &[s[0], s[1], split, s[3]], &[1, 1, 1, 1])?;
+    let newer = temporal.slice(&[0, 0, split, 0], &[s[0], s[1], n, s[3]], &[1, 1, 1, 1])?;
+    Ok(ops::concatenate(&[&newer, &older], 2)?)
 }
 
 /// `[L, P + L]` bool: query `i` (at column `P + i`) sees column `j` when `j <= P + i` and

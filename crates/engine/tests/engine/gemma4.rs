@@ -1,0 +1,1 @@
+//! Gemma 4 parity tests (golden files arrive from tests/golden/gemma4).

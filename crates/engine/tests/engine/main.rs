@@ -1,0 +1,6 @@
+//! Integration tests of the engine: the cache stack against a naive recompute, and Gemma 4
+//! against the reference libraries' golden outputs.
+#![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
+
+mod cache;
+mod gemma4;
