@@ -1,11 +1,14 @@
 //! `quince`: the command-line front end of the Quince engine.
 //!
-//! Today: `quince doctor` (what MLX build this process runs on, and a tiny computation that
-//! proves it works) and `quince bench-ops` (per-op overhead of our binding vs Python `mlx`,
-//! side by side in one run). `generate`, `logits`, `bench` and `parity` arrive with the engine.
+//! - `quince generate`: stream a reply (token ids in, ids and text out; `--json` for scripts);
+//! - `quince logits`: write a forward pass's logits to safetensors (full or incremental);
+//! - `quince bench`: prefill and decode speed on a synthetic prompt;
+//! - `quince doctor`: the MLX build this process runs on, and a smoke computation;
+//! - `quince bench-ops`: per-op overhead of our binding vs Python `mlx`, side by side.
 
 mod bench_ops;
 mod doctor;
+mod run;
 
 use clap::{Parser, Subcommand};
 
@@ -19,6 +22,12 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Generate a reply to a prompt.
+    Generate(run::GenerateArgs),
+    /// Write the logits of a forward pass over token ids to a safetensors file.
+    Logits(run::LogitsArgs),
+    /// Measure TTFT, prefill and decode speed on a synthetic prompt.
+    Bench(run::BenchArgs),
     /// Print the MLX version, backend, devices and memory, and run a tiny matmul + attention.
     Doctor(doctor::Args),
     /// Per-op overhead of this binding vs Python `mlx`, printed side by side.
@@ -27,6 +36,9 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Generate(args) => run::generate(&args),
+        Command::Logits(args) => run::logits(&args),
+        Command::Bench(args) => run::bench(&args),
         Command::Doctor(args) => doctor::run(&args),
         Command::BenchOps(args) => bench_ops::run(&args),
     }

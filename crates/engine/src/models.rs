@@ -4,8 +4,11 @@ pub mod gemma4;
 
 use mlx::Array;
 
+use std::path::Path;
+
 use crate::cache::AttentionCache;
-use crate::error::Result;
+use crate::checkpoint::ModelDir;
+use crate::error::{Error, Result};
 
 /// Which cache phase a forward pass appends with (the phase is never inferred from a length).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,4 +37,19 @@ pub trait Model: std::fmt::Debug {
     fn max_context(&self) -> usize;
     /// Token ids that end a reply according to the config (`eos_token_id`).
     fn eos_token_ids(&self) -> Vec<u32>;
+}
+
+/// Loads the model a checkpoint directory holds, chosen by its `model_type`.
+pub fn load(path: impl AsRef<Path>) -> Result<Box<dyn Model>> {
+    let dir = ModelDir::open(path)?;
+    let model_type =
+        dir.config.get("model_type").and_then(serde_json::Value::as_str).unwrap_or_default();
+    match model_type {
+        "gemma4" | "gemma4_text" => Ok(Box::new(gemma4::Gemma4Text::from_dir(&dir)?)),
+        other => Err(Error::Unsupported {
+            key: "model_type".into(),
+            value: other.into(),
+            reason: "supported: gemma4, gemma4_text".into(),
+        }),
+    }
 }

@@ -356,8 +356,8 @@ impl Gemma4Text {
         let mut layers = Vec::with_capacity(layers_n);
         let mut kv_source: Vec<usize> = (0..layers_n).collect();
         let mut last_of_type: HashMap<&str, usize> = HashMap::new();
-        for i in 0..layers_n {
-            let kind = c.layer_types[i].as_str();
+        for (i, kind) in c.layer_types.iter().enumerate() {
+            let kind = kind.as_str();
             if i < first_shared {
                 last_of_type.insert(kind, i);
             } else {
@@ -575,7 +575,7 @@ impl Attention {
 impl Mlp {
     fn forward(&self, x: &Array) -> Result<Array> {
         let gate = self.gate_proj.forward(x)?.gelu_approx()?;
-        Ok(self.down_proj.forward(&gate.multiply(&self.up_proj.forward(x)?)?)?)
+        self.down_proj.forward(&gate.multiply(&self.up_proj.forward(x)?)?)
     }
 }
 

@@ -3,4 +3,5 @@
 #![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
 mod cache;
+mod errors;
 mod gemma4;
