@@ -10,20 +10,24 @@ PYTHON ?= python3
 VENV := .venv
 VENV_PY := $(VENV)/bin/python
 REQUIREMENTS := tests/reference/requirements.txt
-VENV_STAMP := $(VENV)/.quince-$(shell cksum < $(REQUIREMENTS) | cut -d' ' -f1)
+# The reference libraries for the golden scripts: their deps, then mlx-lm/mlx-vlm without theirs.
+REFERENCE_REQUIREMENTS := tests/reference/requirements-reference.txt
+NODEPS_REQUIREMENTS := tests/reference/requirements-nodeps.txt
+ALL_REQUIREMENTS := $(REQUIREMENTS) $(REFERENCE_REQUIREMENTS) $(NODEPS_REQUIREMENTS)
+VENV_STAMP := $(VENV)/.quince-$(shell cat $(ALL_REQUIREMENTS) | cksum | cut -d' ' -f1)
 UNAME := $(shell uname -s)
 # Debian packages the build needs (compilers for the C++ shim, venv support for the wheels).
 APT_PACKAGES := build-essential pkg-config python3-venv ca-certificates
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help setup system-deps venv build run test test-rust lint fixtures bench-ops clean
+.PHONY: help setup system-deps venv build run test test-rust lint golden-check fixtures bench-ops clean
 
 help:
 	@echo "make run        set up and launch (quince doctor until the app lands)"
 	@echo "make test       set up and run every test (fmt, clippy, docs, unit, integration, doc tests)"
 	@echo "make setup      only install what is missing: apt packages, .venv with pinned MLX"
-	@echo "make fixtures   regenerate tests/golden/ops/ops.safetensors from NumPy formulas"
+	@echo "make fixtures   regenerate the op fixtures (NumPy) and the Gemma 4 goldens (mlx-lm/mlx-vlm)"
 	@echo "make bench-ops  per-op overhead: our binding vs Python mlx, side by side"
 
 setup: system-deps venv
@@ -45,9 +49,10 @@ endif
 
 venv: $(VENV_STAMP)
 
-$(VENV_STAMP): $(REQUIREMENTS)
+$(VENV_STAMP): $(ALL_REQUIREMENTS)
 	@test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV_PY) -m pip install -q --disable-pip-version-check -r $(REQUIREMENTS)
+	$(VENV_PY) -m pip install -q --disable-pip-version-check -r $(REQUIREMENTS) -r $(REFERENCE_REQUIREMENTS)
+	$(VENV_PY) -m pip install -q --disable-pip-version-check --no-deps -r $(NODEPS_REQUIREMENTS)
 	@rm -f $(VENV)/.quince-* && touch $@
 
 build: setup
@@ -60,6 +65,10 @@ lint: setup
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
+
+# The committed goldens must still be what the pinned reference produces.
+golden-check: setup
+	$(VENV_PY) tests/golden/gemma4/make_golden.py --check
 
 # Doc tests and the build check first, so the run ends on the main suite's summary line.
 test-rust: setup
@@ -74,10 +83,11 @@ else
 	$(CARGO) test --workspace --locked --no-fail-fast
 endif
 
-test: setup lint test-rust
+test: setup lint golden-check test-rust
 
 fixtures: setup
 	$(VENV_PY) tests/golden/ops/make_fixtures.py
+	$(VENV_PY) tests/golden/gemma4/make_golden.py
 
 bench-ops: setup
 	$(CARGO) run --release --locked -p quince-cli -- bench-ops
