@@ -8,18 +8,30 @@ use anyhow::{Context, bail};
 use engine::generate::{Flow, GenerateRequest, generate as run_generation, prefill};
 use engine::models::{self, Model, Phase};
 use engine::sampling::SamplingParams;
+use engine::tokenizer::{Message, TextStream, Tokenizer};
 use mlx::ops;
 use serde_json::json;
 
 /// Arguments of `quince generate`.
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "tokens"])))]
 pub struct GenerateArgs {
     /// Model directory (config.json + safetensors).
     #[arg(long)]
     model: PathBuf,
-    /// Token ids, comma-separated, fed verbatim (no template, no BOS added).
-    #[arg(long, value_delimiter = ',', required = true)]
-    tokens: Vec<u32>,
+    /// A user message, rendered with the model's chat template.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// A system message before the prompt (with --prompt).
+    #[arg(long, requires = "prompt")]
+    system: Option<String>,
+    /// Token ids, comma-separated, fed verbatim (no template, no BOS added). Works without
+    /// tokenizer files.
+    #[arg(long, value_delimiter = ',')]
+    tokens: Option<Vec<u32>>,
+    /// Stop when the reply contains this text (repeatable; needs a tokenizer).
+    #[arg(long)]
+    stop: Vec<String>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -78,9 +90,24 @@ pub struct BenchArgs {
     /// Tokens to decode.
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
+    /// Also run mlx-lm on the same checkpoint and prompt, and print both side by side.
+    #[arg(long)]
+    compare: bool,
+    /// Python with mlx-lm installed, for --compare (default: .venv/bin/python, else python3).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// The reference half of --compare.
+    #[arg(long, default_value = "tests/bench/mlx_lm_generate.py")]
+    reference_script: PathBuf,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// The prompt `quince bench` and its mlx-lm counterpart both use: fixed pseudo-random ids that
+/// avoid the lowest (special) ids.
+fn synthetic_prompt(n: usize, vocab: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| 3 + (i * 7919 + 13) % (vocab - 3)).collect()
 }
 
 fn load(path: &PathBuf) -> anyhow::Result<Box<dyn Model>> {
@@ -90,9 +117,36 @@ fn load(path: &PathBuf) -> anyhow::Result<Box<dyn Model>> {
 /// `quince generate`.
 pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let model = load(&args.model)?;
+    let tokenizer = Tokenizer::from_dir(&args.model)?;
+    let prompt = match (&args.tokens, &args.prompt) {
+        (Some(tokens), _) => tokens.clone(),
+        (None, Some(text)) => {
+            let Some(tokenizer) = &tokenizer else {
+                bail!("{} has no tokenizer.json: use --tokens", args.model.display());
+            };
+            let mut messages = Vec::new();
+            if let Some(system) = &args.system {
+                messages.push(Message::text("system", system));
+            }
+            messages.push(Message::text("user", text));
+            if tokenizer.has_chat_template() {
+                tokenizer.encode_chat(&messages, true)?
+            } else {
+                tokenizer.encode(text, true)?
+            }
+        }
+        (None, None) => bail!("give --prompt or --tokens"),
+    };
+    if !args.stop.is_empty() && tokenizer.is_none() {
+        bail!("--stop needs a tokenizer; {} has none", args.model.display());
+    }
+    let mut stop_tokens = model.eos_token_ids();
+    if let Some(t) = &tokenizer {
+        stop_tokens.extend_from_slice(t.stop_tokens());
+    }
     let mut caches = model.new_caches()?;
     let request = GenerateRequest {
-        prompt: args.tokens.clone(),
+        prompt,
         max_tokens: args.max_tokens,
         sampling: SamplingParams {
             temperature: args.temperature,
@@ -103,23 +157,41 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
             seed: args.seed,
             ..SamplingParams::default()
         },
-        stop_tokens: if args.ignore_eos { Vec::new() } else { model.eos_token_ids() },
+        stop_tokens: if args.ignore_eos { Vec::new() } else { stop_tokens },
         prefill_step: 512,
     };
     let mut out = std::io::stdout().lock();
     let json = args.json;
+    let mut stream = tokenizer.as_ref().map(|t| TextStream::new(t, args.stop.clone()));
+    let stop_ids = request.stop_tokens.clone();
     let reply = run_generation(model.as_ref(), &mut caches, &request, |token| {
+        let mut flow = Flow::Continue;
+        let piece = match stream.as_mut() {
+            // The stop token itself is not part of the reply text.
+            Some(_) if stop_ids.contains(&token) => String::new(),
+            Some(s) => match s.push(token) {
+                Ok((text, stopped)) => {
+                    if stopped {
+                        flow = Flow::Stop;
+                    }
+                    text
+                }
+                Err(_) => String::new(),
+            },
+            None => format!("{token} "),
+        };
         if !json {
-            let _ = write!(out, "{token} ");
+            let _ = write!(out, "{piece}");
             let _ = out.flush();
         }
-        Flow::Continue
+        flow
     })?;
+    let text = stream.as_ref().map(|s| s.text().to_string()).unwrap_or_default();
     let s = &reply.stats;
     if json {
         let line = json!({
             "token_ids": reply.tokens,
-            "text": "",
+            "text": text,
             "stop_reason": reply.stop_reason.as_str(),
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
@@ -181,10 +253,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         bail!("--prompt-tokens and --gen-tokens must be positive");
     }
     let model = load(&args.model)?;
-    let vocab = model.vocab_size() as u32;
-    // A fixed pseudo-random prompt that avoids the lowest (special) ids.
-    let prompt: Vec<u32> =
-        (0..args.prompt_tokens as u32).map(|i| 3 + (i * 7919 + 13) % (vocab - 3)).collect();
+    let prompt = synthetic_prompt(args.prompt_tokens, model.vocab_size() as u32);
     // Warm-up: compile kernels and fill allocator caches on a short run.
     {
         let mut caches = model.new_caches()?;
@@ -197,17 +266,74 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let request = GenerateRequest::new(prompt, args.gen_tokens);
     let reply = run_generation(model.as_ref(), &mut caches, &request, |_| Flow::Continue)?;
     let s = &reply.stats;
+    let ours = json!({
+        "prompt_tokens": s.prompt_tokens,
+        "generated_tokens": s.generated_tokens,
+        "ttft_ms": s.ttft_ms,
+        "prefill_tok_s": s.prefill_tok_s,
+        "decode_tok_s": s.decode_tok_s,
+        "peak_mem_bytes": s.peak_mem_bytes,
+    });
     let mut out = std::io::stdout().lock();
-    if args.json {
-        let line = json!({
-            "prompt_tokens": s.prompt_tokens,
-            "generated_tokens": s.generated_tokens,
-            "ttft_ms": s.ttft_ms,
-            "prefill_tok_s": s.prefill_tok_s,
-            "decode_tok_s": s.decode_tok_s,
-            "peak_mem_bytes": s.peak_mem_bytes,
-            "backend": mlx::Backend::current().name(),
+    if args.compare {
+        drop(model);
+        drop(caches);
+        let python = args.python.clone().unwrap_or_else(|| {
+            let venv = PathBuf::from(".venv/bin/python");
+            if venv.exists() { venv } else { PathBuf::from("python3") }
         });
+        let output = std::process::Command::new(&python)
+            .arg(&args.reference_script)
+            .arg("--model")
+            .arg(&args.model)
+            .args(["--prompt-tokens", &args.prompt_tokens.to_string()])
+            .args(["--gen-tokens", &args.gen_tokens.to_string()])
+            .output()
+            .with_context(|| {
+                format!("running {} {}", python.display(), args.reference_script.display())
+            })?;
+        if !output.status.success() {
+            bail!("the mlx-lm benchmark failed: {}", String::from_utf8_lossy(&output.stderr));
+        }
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let reference: serde_json::Value =
+            serde_json::from_str(stdout.lines().last().unwrap_or_default())
+                .context("parsing the mlx-lm benchmark's JSON")?;
+        if args.json {
+            writeln!(
+                out,
+                "{}",
+                json!({"backend": mlx::Backend::current().name(), "quince": ours, "reference": reference})
+            )?;
+            return Ok(());
+        }
+        writeln!(
+            out,
+            "{} · prompt {} tokens · {} generated · {}",
+            args.model.display(),
+            args.prompt_tokens,
+            args.gen_tokens,
+            mlx::Backend::current().name()
+        )?;
+        writeln!(out, "{:<22} {:>14} {:>14} {:>10}", "", "quince", "mlx-lm", "ratio")?;
+        for (key, label, higher_better) in [
+            ("ttft_ms", "TTFT (ms)", false),
+            ("prefill_tok_s", "prefill (tok/s)", true),
+            ("decode_tok_s", "decode (tok/s)", true),
+            ("peak_mem_bytes", "peak memory (MiB)", false),
+        ] {
+            let scale = if key == "peak_mem_bytes" { 1.0 / f64::from(1 << 20) } else { 1.0 };
+            let a = ours[key].as_f64().unwrap_or(f64::NAN) * scale;
+            let b = reference[key].as_f64().unwrap_or(f64::NAN) * scale;
+            let ratio = if higher_better { a / b } else { b / a };
+            writeln!(out, "{label:<22} {a:>14.2} {b:>14.2} {ratio:>9.2}x")?;
+        }
+        writeln!(out, "ratio > 1: quince is better")?;
+        return Ok(());
+    }
+    if args.json {
+        let mut line = ours;
+        line["backend"] = json!(mlx::Backend::current().name());
         writeln!(out, "{line}")?;
     } else {
         writeln!(out, "prompt {} tokens · generated {}", s.prompt_tokens, s.generated_tokens)?;

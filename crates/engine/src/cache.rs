@@ -57,12 +57,23 @@ impl AttentionRead {
 
     /// Attends queries `q` `[B, Hq, L, D]` (positional encoding applied; `Hq` a multiple of the
     /// stored heads) → `[B, Hq, L, D]`. Callable any number of times: KV-sharing layers attend
-    /// a donor's read with their own queries.
+    /// a donor's read with their own queries. `L` may be smaller than the appended length: the
+    /// queries are then the *last* `L` positions of the phase (a prefill that only needs the
+    /// last row's logits).
     pub fn attend(&self, q: &Array, scale: f32) -> Result<Array> {
+        let trimmed;
         let mask = match &self.mask {
             ReadMask::None => AttentionMask::None,
             ReadMask::Causal => AttentionMask::Causal,
-            ReadMask::Array(m) => AttentionMask::Array(m),
+            ReadMask::Array(m) => {
+                let (rows, queries) = (m.dim(0)?, q.dim(2)?);
+                if queries < rows {
+                    trimmed = m.slice(&[rows - queries, 0], &[rows, m.dim(1)?], &[1, 1])?;
+                    AttentionMask::Array(&trimmed)
+                } else {
+                    AttentionMask::Array(m)
+                }
+            }
         };
         Ok(scaled_dot_product_attention(q, &self.keys, &self.values, scale, mask, None)?)
     }

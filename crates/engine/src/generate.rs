@@ -8,7 +8,7 @@ use mlx::Array;
 
 use crate::cache::AttentionCache;
 use crate::error::{Error, Result};
-use crate::models::{Model, Phase};
+use crate::models::{Model, Phase, Rows};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// One generation request.
@@ -138,10 +138,8 @@ pub fn prefill(
     let mut last = None;
     for chunk in tokens.chunks(step) {
         let ids = crate::models::gemma4::token_array(chunk)?;
-        let logits = model.forward(&ids, caches, Phase::Window)?;
-        let s = logits.shape();
-        let row =
-            logits.slice(&[0, s[1] - 1, 0], &[1, s[1], s[2]], &[1, 1, 1])?.reshape(&[1, s[2]])?;
+        let logits = model.forward_rows(&ids, caches, Phase::Window, Rows::Last)?;
+        let row = logits.reshape(&[1, -1])?;
         // Evaluate chunk by chunk so the graph (and memory) stays bounded on long prompts.
         mlx::eval(&[&row])?;
         last = Some(row);

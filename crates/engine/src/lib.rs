@@ -31,5 +31,6 @@ pub mod generate;
 pub mod models;
 pub mod nn;
 pub mod sampling;
+pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -19,6 +19,16 @@ pub enum Phase {
     Decode,
 }
 
+/// Which rows of logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rows {
+    /// Every position (`[B, T, V]`).
+    All,
+    /// Only the last position (`[B, 1, V]`): prefill needs nothing else, and rows that feed no
+    /// cache are dropped early (before KV-sharing layers and the head).
+    Last,
+}
+
 /// A causal language model over the cache stack.
 pub trait Model: std::fmt::Debug {
     /// Fresh caches for one sequence, one per layer that stores keys and values (KV-sharing
@@ -30,6 +40,16 @@ pub trait Model: std::fmt::Debug {
         tokens: &Array,
         caches: &mut [Box<dyn AttentionCache>],
         phase: Phase,
+    ) -> Result<Array> {
+        self.forward_rows(tokens, caches, phase, Rows::All)
+    }
+    /// [`Model::forward`] returning only `rows` of logits.
+    fn forward_rows(
+        &self,
+        tokens: &Array,
+        caches: &mut [Box<dyn AttentionCache>],
+        phase: Phase,
+        rows: Rows,
     ) -> Result<Array>;
     /// Vocabulary size of the output head.
     fn vocab_size(&self) -> usize;

@@ -9,19 +9,26 @@ use crate::error::Result;
 #[derive(Debug, Clone)]
 pub struct Linear {
     weight: Matrix,
+    /// `Wᵀ` of a dense weight, made once (a view, no copy) so each call is one matmul node.
+    transposed: Option<Array>,
 }
 
 impl Linear {
     /// Wraps a `[out, in]` matrix.
     pub fn new(weight: Matrix) -> Linear {
-        Linear { weight }
+        let transposed = match &weight {
+            Matrix::Dense(w) => w.transpose(&[]).ok(),
+            Matrix::Quantized(_) => None,
+        };
+        Linear { weight, transposed }
     }
 
     /// Applies the map to the last axis of `x`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(match &self.weight {
-            Matrix::Dense(w) => x.matmul(&w.transpose(&[])?)?,
-            Matrix::Quantized(q) => q.matmul(x, true)?,
+        Ok(match (&self.weight, &self.transposed) {
+            (Matrix::Dense(_), Some(wt)) => x.matmul(wt)?,
+            (Matrix::Dense(w), None) => x.matmul(&w.transpose(&[])?)?,
+            (Matrix::Quantized(q), _) => q.matmul(x, true)?,
         })
     }
 }
@@ -55,6 +62,15 @@ impl Embedding {
         })
     }
 
+    /// The dtype activations computed from this table have (the table's, or the scales' of a
+    /// quantized one).
+    pub fn table_dtype(&self) -> Option<mlx::Dtype> {
+        Some(match &self.table {
+            Matrix::Dense(w) => w.dtype(),
+            Matrix::Quantized(q) => q.scales.dtype(),
+        })
+    }
+
     /// The table used as a linear map `dim → vocab` (a tied LM head).
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         Linear::new(self.table.clone()).forward(x)
@@ -84,4 +100,44 @@ impl RmsNorm {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(fast::rms_norm(x, self.weight.as_ref(), self.eps)?)
     }
+}
+
+/// Element-wise activations compiled once into fused kernels (as `mlx.nn` compiles its own):
+/// one kernel instead of the eight ops the tanh-approximated GELU takes.
+pub struct Activations {
+    gelu: mlx::Compiled,
+    geglu: mlx::Compiled,
+}
+
+impl std::fmt::Debug for Activations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Activations")
+    }
+}
+
+impl Activations {
+    /// Compiles the activations (shapeless: one trace serves every shape).
+    pub fn new() -> Result<Activations> {
+        let gelu = mlx::compile(|x: &[Array]| Ok(vec![x[0].gelu_approx()?]), true)?;
+        let geglu =
+            mlx::compile(|x: &[Array]| Ok(vec![x[0].gelu_approx()?.multiply(&x[1])?]), true)?;
+        Ok(Activations { gelu, geglu })
+    }
+
+    /// `gelu_approx(x)`.
+    pub fn gelu(&self, x: &Array) -> Result<Array> {
+        first(self.gelu.call(&[x])?)
+    }
+
+    /// `gelu_approx(gate) · x`.
+    pub fn geglu(&self, gate: &Array, x: &Array) -> Result<Array> {
+        first(self.geglu.call(&[gate, x])?)
+    }
+}
+
+fn first(outputs: Vec<Array>) -> Result<Array> {
+    outputs
+        .into_iter()
+        .next()
+        .ok_or_else(|| crate::Error::InvalidRequest("compiled function returned nothing".into()))
 }

@@ -18,8 +18,8 @@ use serde_json::Value;
 use crate::cache::{AttentionCache, AttentionRead, PlainCache, RotatingCache};
 use crate::checkpoint::{ModelDir, Weights};
 use crate::error::{Error, Result};
-use crate::models::{Model, Phase};
-use crate::nn::{Embedding, Linear, RmsNorm};
+use crate::models::{Model, Phase, Rows};
+use crate::nn::{Activations, Embedding, Linear, RmsNorm};
 
 /// Rope settings of one layer type (`rope_parameters.<layer type>`).
 #[derive(Debug, Clone, Deserialize)]
@@ -305,6 +305,18 @@ pub struct Gemma4Text {
     first_shared: usize,
     rope_sliding: Rope,
     rope_full: Rope,
+    activations: Activations,
+    /// Scalars of the forward pass, made once in the model's dtype.
+    constants: Constants,
+}
+
+#[derive(Debug)]
+struct Constants {
+    embed_scale: Array,
+    ple_token_scale: Array,
+    ple_projection_scale: Array,
+    ple_input_scale: Array,
+    softcap: Option<Array>,
 }
 
 impl Gemma4Text {
@@ -392,7 +404,26 @@ impl Gemma4Text {
             Some(p) => Rope::new(p, full_dims, c.rope_traditional)?,
             None => rope_sliding.clone(),
         };
+        // The activation dtype follows the weights (f32, bf16; a quantized checkpoint's scales).
+        let dtype = match &embed_tokens.table_dtype() {
+            Some(d) => *d,
+            None => mlx::Dtype::Float32,
+        };
+        let scalar = |v: f64| mlx::Array::scalar_as(v, dtype);
+        let ple_width = f64::from(config.hidden_size_per_layer_input.max(1));
+        let constants = Constants {
+            embed_scale: scalar(f64::from(config.hidden_size).sqrt())?,
+            ple_token_scale: scalar(ple_width.sqrt())?,
+            ple_projection_scale: scalar(f64::from(config.hidden_size).powf(-0.5))?,
+            ple_input_scale: scalar(2f64.powf(-0.5))?,
+            softcap: match config.final_logit_softcapping {
+                Some(c) if c > 0.0 => Some(scalar(f64::from(c))?),
+                _ => None,
+            },
+        };
         Ok(Gemma4Text {
+            activations: Activations::new()?,
+            constants,
             config,
             embed_tokens,
             ple,
@@ -416,18 +447,12 @@ impl Gemma4Text {
         let shape = tokens.shape();
         let n = self.layers.len() as i32;
         let full = [shape[0], shape[1], n, ple.width];
-        let token_part = ple
-            .embed
-            .forward(tokens)?
-            .multiply_scalar(f64::from(ple.width).sqrt())?
-            .reshape(&full)?;
-        let context = ple
-            .model_projection
-            .forward(h)?
-            .multiply_scalar(f64::from(self.config.hidden_size).powf(-0.5))?
-            .reshape(&full)?;
+        let c = &self.constants;
+        let token_part = ple.embed.forward(tokens)?.multiply(&c.ple_token_scale)?.reshape(&full)?;
+        let context =
+            ple.model_projection.forward(h)?.multiply(&c.ple_projection_scale)?.reshape(&full)?;
         let context = ple.projection_norm.forward(&context)?;
-        Ok(context.add(&token_part)?.multiply_scalar(2f64.powf(-0.5))?)
+        Ok(context.add(&token_part)?.multiply(&c.ple_input_scale)?)
     }
 }
 
@@ -524,9 +549,13 @@ fn load_layer(
 
 impl Attention {
     /// Returns the output and, for a layer with its own cache, the read KV-sharing layers use.
+    /// Keys and values come from every row of `x`; queries from its last `query_rows` rows
+    /// (all of them outside a last-row-only prefill).
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Array,
+        query_rows: i32,
         rope: &Rope,
         offset: i32,
         cache: Option<&mut Box<dyn AttentionCache>>,
@@ -535,9 +564,14 @@ impl Attention {
     ) -> Result<(Array, Option<AttentionRead>)> {
         let s = x.shape();
         let (b, l) = (s[0], s[1]);
-        let q = self.q_proj.forward(x)?.reshape(&[b, l, self.heads, self.head_dim])?;
-        let q = self.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?; // [B, H, L, D]
-        let q = rope.apply(&q, offset)?;
+        let xq = if query_rows < l {
+            x.slice(&[0, l - query_rows, 0], &[b, l, s[2]], &[1, 1, 1])?
+        } else {
+            x.clone()
+        };
+        let q = self.q_proj.forward(&xq)?.reshape(&[b, query_rows, self.heads, self.head_dim])?;
+        let q = self.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?; // [B, H, Lq, D]
+        let q = rope.apply(&q, offset + l - query_rows)?;
         let (read, own) = match (&self.kv, shared) {
             (Some(kv), _) => {
                 let cache = cache.ok_or_else(|| {
@@ -567,15 +601,16 @@ impl Attention {
             }
         };
         let out = read.attend(&q, 1.0)?; // q_norm/k_norm replace the 1/sqrt(d) scale
-        let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, self.heads * self.head_dim])?;
+        let out =
+            out.transpose(&[0, 2, 1, 3])?.reshape(&[b, query_rows, self.heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, own))
     }
 }
 
 impl Mlp {
-    fn forward(&self, x: &Array) -> Result<Array> {
-        let gate = self.gate_proj.forward(x)?.gelu_approx()?;
-        self.down_proj.forward(&gate.multiply(&self.up_proj.forward(x)?)?)
+    fn forward(&self, x: &Array, act: &Activations) -> Result<Array> {
+        let hidden = act.geglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
+        self.down_proj.forward(&hidden)
     }
 }
 
@@ -592,11 +627,12 @@ impl Model for Gemma4Text {
             .collect()
     }
 
-    fn forward(
+    fn forward_rows(
         &self,
         tokens: &Array,
         caches: &mut [Box<dyn AttentionCache>],
         phase: Phase,
+        rows: Rows,
     ) -> Result<Array> {
         if caches.len() != self.first_shared {
             return Err(Error::InvalidRequest(format!(
@@ -606,16 +642,25 @@ impl Model for Gemma4Text {
             )));
         }
         let offset = caches.first().map_or(0, |c| c.offset()) as i32;
-        let mut h = self
-            .embed_tokens
-            .forward(tokens)?
-            .multiply_scalar(f64::from(self.config.hidden_size).sqrt())?;
+        let mut h = self.embed_tokens.forward(tokens)?.multiply(&self.constants.embed_scale)?;
         let per_layer = match &self.ple {
             Some(ple) => Some(self.per_layer_inputs(ple, tokens, &h)?),
             None => None,
         };
+        let mut per_layer = per_layer;
+        let mut offset = offset;
+        let length = tokens.dim(1)?;
+        // With only the last row wanted, the last layer that writes a cache takes keys and
+        // values from every row but queries from the last one; from there on only that row
+        // flows (KV-sharing layers, the head).
+        let trim_at =
+            if rows == Rows::Last && length > 1 { Some(self.first_shared - 1) } else { None };
         let mut reads: Vec<Option<AttentionRead>> = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
+            let mut query_rows = h.dim(1)?;
+            if trim_at == Some(i) {
+                query_rows = 1;
+            }
             let rope = if layer.attention.sliding { &self.rope_sliding } else { &self.rope_full };
             let cache = if i < self.first_shared { caches.get_mut(i) } else { None };
             let shared = if i >= self.first_shared {
@@ -625,10 +670,16 @@ impl Model for Gemma4Text {
             };
             let normed = layer.input_layernorm.forward(&h)?;
             let (attn, own) =
-                layer.attention.forward(&normed, rope, offset, cache, shared, phase)?;
+                layer.attention.forward(&normed, query_rows, rope, offset, cache, shared, phase)?;
             reads.push(own);
+            if trim_at == Some(i) {
+                (h, per_layer) = last_rows(&h, per_layer.as_ref())?;
+                offset += length - 1;
+            }
             h = h.add(&layer.post_attention_layernorm.forward(&attn)?)?;
-            let ff = layer.mlp.forward(&layer.pre_feedforward_layernorm.forward(&h)?)?;
+            let ff = layer
+                .mlp
+                .forward(&layer.pre_feedforward_layernorm.forward(&h)?, &self.activations)?;
             h = h.add(&layer.post_feedforward_layernorm.forward(&ff)?)?;
             if let (Some(pl), Some(inputs)) = (&layer.per_layer, &per_layer) {
                 let s = inputs.shape();
@@ -636,7 +687,7 @@ impl Model for Gemma4Text {
                 let slice = inputs
                     .slice(&[0, 0, li, 0], &[s[0], s[1], li + 1, s[3]], &[1, 1, 1, 1])?
                     .squeeze(&[2])?;
-                let gate = pl.gate.forward(&h)?.gelu_approx()?.multiply(&slice)?;
+                let gate = self.activations.geglu(&pl.gate.forward(&h)?, &slice)?;
                 h = h.add(&pl.post_norm.forward(&pl.projection.forward(&gate)?)?)?;
             }
             h = h.multiply(&layer.layer_scalar)?;
@@ -646,12 +697,9 @@ impl Model for Gemma4Text {
             Some(head) => head.forward(&h)?,
             None => self.embed_tokens.as_linear(&h)?,
         };
-        match self.config.final_logit_softcapping {
-            Some(cap) if cap > 0.0 => {
-                let c = logits.scalar_like(f64::from(cap))?;
-                Ok(logits.divide(&c)?.tanh()?.multiply(&c)?)
-            }
-            _ => Ok(logits),
+        match &self.constants.softcap {
+            Some(c) => Ok(logits.divide(c)?.tanh()?.multiply(c)?),
+            None => Ok(logits),
         }
     }
 
@@ -672,6 +720,20 @@ impl Model for Gemma4Text {
             _ => Vec::new(),
         }
     }
+}
+
+/// The last position of `h` `[B, T, H]` and of the per-layer inputs `[B, T, L, W]`.
+fn last_rows(h: &Array, per_layer: Option<&Array>) -> Result<(Array, Option<Array>)> {
+    let s = h.shape();
+    let h = h.slice(&[0, s[1] - 1, 0], &[s[0], s[1], s[2]], &[1, 1, 1])?;
+    let per_layer = match per_layer {
+        Some(p) => {
+            let t = p.shape();
+            Some(p.slice(&[0, t[1] - 1, 0, 0], &[t[0], t[1], t[2], t[3]], &[1, 1, 1, 1])?)
+        }
+        None => None,
+    };
+    Ok((h, per_layer))
 }
 
 /// Token ids `[1, T]` as an int32 array.

@@ -1,0 +1,294 @@
+//! Tokenizers and chat templates: `tokenizer.json` through the `tokenizers` crate, the Jinja
+//! chat template (from `chat_template.jinja` or `tokenizer_config.json`) through `minijinja`
+//! with the helpers real templates use, stop tokens, and streaming detokenization with stop
+//! strings.
+
+use std::path::Path;
+
+use minijinja::{Environment, ErrorKind, Value as JinjaValue, context};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::checkpoint::read_json;
+use crate::error::{Error, Result};
+
+/// Markers that end an assistant turn in common chat templates; the ones present in a
+/// tokenizer's vocabulary become stop tokens.
+const END_OF_TURN_MARKERS: &[&str] =
+    &["<end_of_turn>", "<turn|>", "<|im_end|>", "<|eot_id|>", "<|end|>"];
+
+/// One part of a message's content.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Part {
+    /// Text.
+    Text {
+        /// The text.
+        text: String,
+    },
+    /// An image, placed where the template puts image parts.
+    Image,
+}
+
+/// A chat message as templates see it: `{"role": ..., "content": ...}`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// A string, or a list of parts when the message has images.
+    pub content: Content,
+}
+
+/// Message content: plain text or typed parts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Text and image parts in order.
+    Parts(Vec<Part>),
+}
+
+impl Message {
+    /// A text message.
+    pub fn text(role: &str, text: &str) -> Message {
+        Message { role: role.into(), content: Content::Text(text.into()) }
+    }
+}
+
+/// A tokenizer with its chat template and special tokens.
+#[derive(Debug)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    stop_tokens: Vec<u32>,
+}
+
+fn token_string(config: &Value, key: &str) -> Option<String> {
+    match config.get(key)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+fn ids_of(value: Option<&Value>) -> Vec<u32> {
+    match value {
+        Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        Some(Value::Array(items)) => {
+            items.iter().filter_map(Value::as_u64).map(|v| v as u32).collect()
+        }
+        _ => Vec::new(),
+    }
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`,
+    /// `generation_config.json` and `config.json` when present) from `dir`. `Ok(None)` when the
+    /// directory has no `tokenizer.json` (test checkpoints often have none).
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Option<Tokenizer>> {
+        let dir = dir.as_ref();
+        let file = dir.join("tokenizer.json");
+        if !file.is_file() {
+            return Ok(None);
+        }
+        let inner = tokenizers::Tokenizer::from_file(&file)
+            .map_err(|e| Error::Config { file: "tokenizer.json".into(), message: e.to_string() })?;
+        let optional = |name: &str| -> Result<Value> {
+            let path = dir.join(name);
+            if path.is_file() { read_json(&path) } else { Ok(Value::Null) }
+        };
+        let tokenizer_config = optional("tokenizer_config.json")?;
+        let generation_config = optional("generation_config.json")?;
+        let model_config = optional("config.json")?;
+        let template_file = dir.join("chat_template.jinja");
+        let template = if template_file.is_file() {
+            Some(
+                std::fs::read_to_string(&template_file)
+                    .map_err(|source| Error::Io { path: template_file, source })?,
+            )
+        } else {
+            match tokenizer_config.get("chat_template") {
+                Some(Value::String(t)) => Some(t.clone()),
+                // A list of named templates: take "default".
+                Some(Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .and_then(|t| t.get("template"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+                _ => None,
+            }
+        };
+        let bos_token = token_string(&tokenizer_config, "bos_token");
+        let eos_token = token_string(&tokenizer_config, "eos_token");
+        let mut stop_tokens = ids_of(generation_config.get("eos_token_id"));
+        stop_tokens.extend(ids_of(model_config.get("eos_token_id")));
+        stop_tokens
+            .extend(ids_of(model_config.get("text_config").and_then(|t| t.get("eos_token_id"))));
+        if let Some(eos) = &eos_token
+            && let Some(id) = inner.token_to_id(eos)
+        {
+            stop_tokens.push(id);
+        }
+        for marker in END_OF_TURN_MARKERS {
+            let in_template = template.as_deref().is_some_and(|t| t.contains(marker));
+            if in_template && let Some(id) = inner.token_to_id(marker) {
+                stop_tokens.push(id);
+            }
+        }
+        stop_tokens.sort_unstable();
+        stop_tokens.dedup();
+        Ok(Some(Tokenizer { inner, template, bos_token, eos_token, stop_tokens }))
+    }
+
+    /// Token ids of `text`; `add_special_tokens` adds what the tokenizer's post-processor adds
+    /// (BOS for Gemma).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::InvalidRequest(format!("tokenizing failed: {e}")))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Text of `ids`.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::InvalidRequest(format!("detokenizing failed: {e}")))
+    }
+
+    /// The id of a token string, if it is in the vocabulary.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Ids that end a reply: `eos_token_id` of the configs, the tokenizer's EOS, and the
+    /// template's end-of-turn token.
+    pub fn stop_tokens(&self) -> &[u32] {
+        &self.stop_tokens
+    }
+
+    /// Whether a chat template is available.
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Renders the chat template over `messages`.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let template = self
+            .template
+            .as_deref()
+            .ok_or_else(|| Error::InvalidRequest("this tokenizer has no chat template".into()))?;
+        render_template(
+            template,
+            messages,
+            add_generation_prompt,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+            &chrono::Local::now(),
+        )
+    }
+
+    /// Renders `messages` and tokenizes the result without adding special tokens (the template
+    /// writes its own BOS).
+    pub fn encode_chat(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text = self.render(messages, add_generation_prompt)?;
+        self.encode(&text, false)
+    }
+}
+
+/// Renders a Hugging Face chat template the way `transformers` does (trim_blocks and
+/// lstrip_blocks on, loop controls, `raise_exception`, `strftime_now`, `tojson`, Python string
+/// methods). `now` is the clock `strftime_now` reads.
+pub fn render_template(
+    template: &str,
+    messages: &[Message],
+    add_generation_prompt: bool,
+    bos_token: Option<&str>,
+    eos_token: Option<&str>,
+    now: &chrono::DateTime<chrono::Local>,
+) -> Result<String> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |message: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+        },
+    );
+    let now = *now;
+    env.add_function("strftime_now", move |format: String| -> String {
+        now.format(&format).to_string()
+    });
+    let failed = |e: minijinja::Error| Error::InvalidRequest(format!("chat template: {e:#}"));
+    env.add_template("chat", template).map_err(failed)?;
+    let tmpl = env.get_template("chat").map_err(failed)?;
+    tmpl.render(context! {
+        messages => JinjaValue::from_serialize(messages),
+        add_generation_prompt => add_generation_prompt,
+        bos_token => bos_token.unwrap_or_default(),
+        eos_token => eos_token.unwrap_or_default(),
+    })
+    .map_err(failed)
+}
+
+/// Turns a stream of token ids into text increments and watches for stop strings.
+#[derive(Debug)]
+pub struct TextStream<'a> {
+    tokenizer: &'a Tokenizer,
+    ids: Vec<u32>,
+    emitted: usize,
+    stop_strings: Vec<String>,
+    text: String,
+}
+
+impl<'a> TextStream<'a> {
+    /// A stream that stops at any of `stop_strings`.
+    pub fn new(tokenizer: &'a Tokenizer, stop_strings: Vec<String>) -> TextStream<'a> {
+        TextStream { tokenizer, ids: Vec::new(), emitted: 0, stop_strings, text: String::new() }
+    }
+
+    /// Adds a token; returns the new text that is safe to show (held back while a multi-byte
+    /// character or a possible stop string is incomplete) and whether a stop string appeared.
+    pub fn push(&mut self, id: u32) -> Result<(String, bool)> {
+        self.ids.push(id);
+        let full = self.tokenizer.decode(&self.ids, true)?;
+        if let Some(at) = self.stop_strings.iter().filter_map(|s| full.find(s.as_str())).min() {
+            let fresh = full.get(self.emitted..at).unwrap_or_default().to_string();
+            self.emitted = at.max(self.emitted);
+            self.text = full[..at].to_string();
+            return Ok((fresh, true));
+        }
+        // Hold back an incomplete UTF-8 sequence (decoded as U+FFFD) and any suffix that could
+        // still grow into a stop string.
+        let mut safe = full.trim_end_matches('\u{FFFD}').len();
+        for stop in &self.stop_strings {
+            for k in (1..stop.len()).rev() {
+                if stop.is_char_boundary(k) && full[..safe].ends_with(&stop[..k]) {
+                    safe = safe.min(full.len() - k);
+                    break;
+                }
+            }
+        }
+        let fresh =
+            if safe > self.emitted { full[self.emitted..safe].to_string() } else { String::new() };
+        self.emitted = self.emitted.max(safe);
+        self.text = full;
+        Ok((fresh, false))
+    }
+
+    /// The whole text so far (cut at a stop string once one appeared).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}

@@ -1,0 +1,58 @@
+"""The reference half of `quince bench --compare`: mlx-lm's generate_step on the same checkpoint
+and the same synthetic prompt, timed the way `quince bench` times itself.
+
+Prints one JSON line: prompt_tokens, generated_tokens, ttft_ms, prefill_tok_s, decode_tok_s,
+peak_mem_bytes. Keep the prompt formula in step with crates/cli/src/run.rs (`synthetic_prompt`).
+"""
+
+import argparse
+from pathlib import Path
+import json
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+
+
+def synthetic_prompt(n: int, vocab: int) -> list[int]:
+    return [3 + (i * 7919 + 13) % (vocab - 3) for i in range(n)]
+
+
+def run(model, prompt: list[int], gen: int) -> dict:
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    first = None
+    count = 0
+    for _token, _ in generate_step(mx.array(prompt), model, max_tokens=gen, prefill_step_size=512):
+        count += 1
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    ttft = first - start
+    return {
+        "prompt_tokens": len(prompt),
+        "generated_tokens": count,
+        "ttft_ms": ttft * 1e3,
+        "prefill_tok_s": len(prompt) / ttft,
+        "decode_tok_s": (count - 1) / (end - first) if count > 1 else 0.0,
+        "peak_mem_bytes": mx.get_peak_memory(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    args = parser.parse_args()
+    model, config = load_model(Path(args.model))
+    text = config.get("text_config", config)
+    vocab = text.get("vocab_size", config.get("vocab_size"))
+    prompt = synthetic_prompt(args.prompt_tokens, vocab)
+    run(model, prompt[: min(16, len(prompt))], 4)  # warm-up, as quince bench does
+    print(json.dumps(run(model, prompt, args.gen_tokens)))
+
+
+if __name__ == "__main__":
+    main()
