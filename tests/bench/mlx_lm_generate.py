@@ -2,12 +2,13 @@
 and the same synthetic prompt, timed the way `quince bench` times itself.
 
 Prints one JSON line: prompt_tokens, generated_tokens, ttft_ms, prefill_tok_s, decode_tok_s,
-peak_mem_bytes. Keep the prompt formula in step with crates/cli/src/run.rs (`synthetic_prompt`).
+peak_mem_bytes, each the median of --repeats runs after a full-length warm-up. Keep the prompt formula in step with crates/cli/src/run.rs (`synthetic_prompt`).
 """
 
 import argparse
 from pathlib import Path
 import json
+import statistics
 import time
 
 import mlx.core as mx
@@ -45,13 +46,17 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     model, config = load_model(Path(args.model))
     text = config.get("text_config", config)
     vocab = text.get("vocab_size", config.get("vocab_size"))
     prompt = synthetic_prompt(args.prompt_tokens, vocab)
-    run(model, prompt[: min(16, len(prompt))], 4)  # warm-up, as quince bench does
-    print(json.dumps(run(model, prompt, args.gen_tokens)))
+    run(model, prompt, 4)  # warm-up at full length (kernels for every shape), as quince bench does
+    runs = [run(model, prompt, args.gen_tokens) for _ in range(args.repeats)]
+    median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    median["decode_tok_s_runs"] = [r["decode_tok_s"] for r in runs]
+    print(json.dumps(median))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use engine::generate::{Flow, GenerateRequest, generate as run_generation, prefill};
+use engine::generate::{Flow, GenerateRequest, generate as run_generation};
 use engine::models::{self, Model, Phase};
 use engine::sampling::SamplingParams;
 use engine::tokenizer::{Message, TextStream, Tokenizer};
@@ -90,6 +90,9 @@ pub struct BenchArgs {
     /// Tokens to decode.
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
+    /// Timed runs after a full-length warm-up; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
     /// Also run mlx-lm on the same checkpoint and prompt, and print both side by side.
     #[arg(long)]
     compare: bool,
@@ -254,18 +257,31 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let model = load(&args.model)?;
     let prompt = synthetic_prompt(args.prompt_tokens, model.vocab_size() as u32);
-    // Warm-up: compile kernels and fill allocator caches on a short run.
+    // Warm-up at full prompt length: kernels for every shape are built before timing.
     {
         let mut caches = model.new_caches()?;
-        let warm = GenerateRequest::new(prompt[..prompt.len().min(16)].to_vec(), 4);
+        let warm = GenerateRequest::new(prompt.clone(), 4);
         run_generation(model.as_ref(), &mut caches, &warm, |_| Flow::Continue)?;
-        let logits = prefill(model.as_ref(), &mut caches, &prompt[..1], 512)?;
-        logits.eval()?;
     }
-    let mut caches = model.new_caches()?;
-    let request = GenerateRequest::new(prompt, args.gen_tokens);
-    let reply = run_generation(model.as_ref(), &mut caches, &request, |_| Flow::Continue)?;
-    let s = &reply.stats;
+    let mut runs = Vec::new();
+    for _ in 0..args.repeats.max(1) {
+        let mut caches = model.new_caches()?;
+        let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
+        runs.push(run_generation(model.as_ref(), &mut caches, &request, |_| Flow::Continue)?.stats);
+    }
+    let median = |f: fn(&engine::generate::GenerationStats) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let s = &engine::generate::GenerationStats {
+        prompt_tokens: runs[0].prompt_tokens,
+        generated_tokens: runs[0].generated_tokens,
+        ttft_ms: median(|s| s.ttft_ms),
+        prefill_tok_s: median(|s| s.prefill_tok_s),
+        decode_tok_s: median(|s| s.decode_tok_s),
+        peak_mem_bytes: median(|s| s.peak_mem_bytes as f64) as usize,
+    };
     let ours = json!({
         "prompt_tokens": s.prompt_tokens,
         "generated_tokens": s.generated_tokens,
@@ -273,11 +289,11 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         "prefill_tok_s": s.prefill_tok_s,
         "decode_tok_s": s.decode_tok_s,
         "peak_mem_bytes": s.peak_mem_bytes,
+        "decode_tok_s_runs": runs.iter().map(|r| r.decode_tok_s).collect::<Vec<_>>(),
     });
     let mut out = std::io::stdout().lock();
     if args.compare {
         drop(model);
-        drop(caches);
         let python = args.python.clone().unwrap_or_else(|| {
             let venv = PathBuf::from(".venv/bin/python");
             if venv.exists() { venv } else { PathBuf::from("python3") }
@@ -288,6 +304,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             .arg(&args.model)
             .args(["--prompt-tokens", &args.prompt_tokens.to_string()])
             .args(["--gen-tokens", &args.gen_tokens.to_string()])
+            .args(["--repeats", &args.repeats.to_string()])
             .output()
             .with_context(|| {
                 format!("running {} {}", python.display(), args.reference_script.display())
@@ -328,7 +345,8 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             let ratio = if higher_better { a / b } else { b / a };
             writeln!(out, "{label:<22} {a:>14.2} {b:>14.2} {ratio:>9.2}x")?;
         }
-        writeln!(out, "ratio > 1: quince is better")?;
+        writeln!(out, "ratio > 1: quince is better · medians of {} runs", args.repeats)?;
+        writeln!(out, "decode tok/s per run: quince {} · mlx-lm {}", ours["decode_tok_s_runs"], reference["decode_tok_s_runs"])?;
         return Ok(());
     }
     if args.json {

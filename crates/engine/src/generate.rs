@@ -126,25 +126,31 @@ pub fn check_prompt(
     Ok(())
 }
 
-/// Prefills `tokens` in chunks of `step` through window appends; returns the last position's
-/// logits `[1, V]`.
+/// Prefills `tokens` and returns the last position's logits `[1, V]`: every token but the last
+/// through window appends in chunks of `step`, then the last one as a decode step. This is
+/// mlx-lm's split, kept on purpose: in bf16 the cached keys and values of a position depend on
+/// the shape of the matmul that made them, and the same split gives the same cache (and the same
+/// greedy tokens) as the reference.
 pub fn prefill(
     model: &dyn Model,
     caches: &mut [Box<dyn AttentionCache>],
     tokens: &[u32],
     step: usize,
 ) -> Result<Array> {
-    let step = step.max(1);
-    let mut last = None;
-    for chunk in tokens.chunks(step) {
+    let Some((&last, head)) = tokens.split_last() else {
+        return Err(Error::InvalidRequest("the prompt is empty".into()));
+    };
+    for chunk in head.chunks(step.max(1)) {
         let ids = crate::models::gemma4::token_array(chunk)?;
         let logits = model.forward_rows(&ids, caches, Phase::Window, Rows::Last)?;
-        let row = logits.reshape(&[1, -1])?;
         // Evaluate chunk by chunk so the graph (and memory) stays bounded on long prompts.
-        mlx::eval(&[&row])?;
-        last = Some(row);
+        logits.eval()?;
     }
-    last.ok_or_else(|| Error::InvalidRequest("the prompt is empty".into()))
+    let ids = crate::models::gemma4::token_array(&[last])?;
+    let logits = model.forward(&ids, caches, Phase::Decode)?;
+    let row = logits.reshape(&[1, -1])?;
+    row.eval()?;
+    Ok(row)
 }
 
 /// Generates after appending `request.prompt` to `caches`, streaming each token to `on_token`.

@@ -135,10 +135,14 @@ rust::String array_to_string(const Array& a) {
 }
 
 void array_copy_to(const Array& a, rust::Slice<uint8_t> out) {
-  // A row-contiguous copy (a no-op when `a` already is) so the bytes are in logical order.
-  Array c = mx::contiguous(a, false);
+  // Wait for `a` itself. A dense row-major result is read in place: adding an op here would
+  // queue it behind work scheduled after `a` (the next decode step) and wait for that too.
+  Array c = a;
   c.eval();
-  c.wait();
+  if (!(c.flags().row_contiguous && c.data_size() == c.size())) {
+    c = mx::contiguous(c, false);
+    c.eval();
+  }
   if (out.size() != c.nbytes()) {
     throw std::invalid_argument("[array_copy_to] output buffer has the wrong length");
   }

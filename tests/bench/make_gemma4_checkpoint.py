@@ -1,0 +1,94 @@
+"""Builds a random-weight Gemma 4 text checkpoint at real model dimensions with mlx-lm, for
+speed benchmarks (`quince bench --compare`) on a GPU. The weights are MLX's default init in
+bf16, optionally affine-quantized (group 64) through mlx-lm's own quantize_model, and saved with
+mlx-lm's save_model/save_config, so both engines load exactly the same files.
+
+Usage: python tests/bench/make_gemma4_checkpoint.py --dims e4b --bits 4 --out DIR
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.gemma4_text import Model, ModelArgs
+from mlx_lm.utils import quantize_model, save_config, save_model
+
+
+def layer_types(n: int, period: int) -> list[str]:
+    """`period - 1` sliding layers then one full layer, repeated; the last layer is full."""
+    kinds = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    kinds[-1] = "full_attention"
+    return kinds
+
+
+DIMS = {
+    # google/gemma-4-E4B: 42 layers (5 sliding : 1 full), 18 KV-shared, PLE 256.
+    "e4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
+                num_attention_heads=8, num_key_value_heads=2, num_global_key_value_heads=2,
+                head_dim=256, global_head_dim=512, num_kv_shared_layers=18,
+                hidden_size_per_layer_input=256, use_double_wide_mlp=False, period=6),
+    # google/gemma-4-E2B: 35 layers (4 sliding : 1 full), 20 KV-shared, double-wide shared MLPs.
+    "e2b": dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
+                num_attention_heads=8, num_key_value_heads=1, num_global_key_value_heads=1,
+                head_dim=256, global_head_dim=512, num_kv_shared_layers=20,
+                hidden_size_per_layer_input=256, use_double_wide_mlp=True, period=5),
+    # A small shape for checking this script on a CPU.
+    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=1, num_global_key_value_heads=1,
+                  head_dim=64, global_head_dim=128, num_kv_shared_layers=2,
+                  hidden_size_per_layer_input=32, use_double_wide_mlp=True, period=3),
+}
+
+
+def config_for(name: str) -> dict:
+    d = dict(DIMS[name])
+    period = d.pop("period")
+    vocab = 262144 if name != "small" else 4096
+    return {
+        "model_type": "gemma4_text",
+        **d,
+        "vocab_size": vocab,
+        "vocab_size_per_layer_input": vocab,
+        "layer_types": layer_types(d["num_hidden_layers"], period),
+        "sliding_window": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_traditional": False,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                               "partial_rotary_factor": 0.25},
+        },
+        "attention_k_eq_v": False,
+        "final_logit_softcapping": 30.0,
+        "enable_moe_block": False,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dims", choices=sorted(DIMS), default="e4b")
+    parser.add_argument("--bits", type=int, default=4, help="0 keeps bf16")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    config = config_for(args.dims)
+    model = Model(ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    if args.bits:
+        model, config = quantize_model(model, config, 64, args.bits)
+    out = Path(args.out)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"wrote {out} ({size / 2**30:.2f} GiB) in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
