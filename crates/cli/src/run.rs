@@ -346,7 +346,11 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             writeln!(out, "{label:<22} {a:>14.2} {b:>14.2} {ratio:>9.2}x")?;
         }
         writeln!(out, "ratio > 1: quince is better · medians of {} runs", args.repeats)?;
-        writeln!(out, "decode tok/s per run: quince {} · mlx-lm {}", ours["decode_tok_s_runs"], reference["decode_tok_s_runs"])?;
+        writeln!(
+            out,
+            "decode tok/s per run: quince {} · mlx-lm {}",
+            ours["decode_tok_s_runs"], reference["decode_tok_s_runs"]
+        )?;
         return Ok(());
     }
     if args.json {

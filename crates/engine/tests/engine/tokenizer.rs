@@ -33,8 +33,16 @@ fn encodes_like_python_tokenizers() {
     assert!(cases.len() >= 20);
     for case in cases {
         let text = case["text"].as_str().unwrap();
-        assert_eq!(tok.encode(text, true).unwrap(), ids(&case["ids"]), "{text:?} with special tokens");
-        assert_eq!(tok.encode(text, false).unwrap(), ids(&case["ids_no_special"]), "{text:?} without");
+        assert_eq!(
+            tok.encode(text, true).unwrap(),
+            ids(&case["ids"]),
+            "{text:?} with special tokens"
+        );
+        assert_eq!(
+            tok.encode(text, false).unwrap(),
+            ids(&case["ids_no_special"]),
+            "{text:?} without"
+        );
     }
 }
 
@@ -45,7 +53,11 @@ fn decodes_like_python_tokenizers() {
         let name = case["name"].as_str().unwrap();
         let input = ids(&case["ids"]);
         assert_eq!(tok.decode(&input, false).unwrap(), case["text"].as_str().unwrap(), "{name}");
-        assert_eq!(tok.decode(&input, true).unwrap(), case["text_skip_special"].as_str().unwrap(), "{name} skipping specials");
+        assert_eq!(
+            tok.decode(&input, true).unwrap(),
+            case["text_skip_special"].as_str().unwrap(),
+            "{name} skipping specials"
+        );
     }
 }
 
@@ -58,8 +70,16 @@ fn renders_chat_templates_like_transformers() {
         let name = case["name"].as_str().unwrap();
         let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
         let generation = case["add_generation_prompt"].as_bool().unwrap();
-        assert_eq!(tok.render(&messages, generation).unwrap(), case["rendered"].as_str().unwrap(), "{name}");
-        assert_eq!(tok.encode_chat(&messages, generation).unwrap(), ids(&case["ids"]), "{name} ids");
+        assert_eq!(
+            tok.render(&messages, generation).unwrap(),
+            case["rendered"].as_str().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            tok.encode_chat(&messages, generation).unwrap(),
+            ids(&case["ids"]),
+            "{name} ids"
+        );
     }
     for case in g["template_errors"].as_array().unwrap() {
         let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
@@ -74,7 +94,10 @@ fn stop_tokens_include_end_of_turn() {
     let special = &golden()["special"];
     let end_of_turn = special["end_of_turn_id"].as_u64().unwrap() as u32;
     assert!(tok.stop_tokens().contains(&end_of_turn), "{:?}", tok.stop_tokens());
-    assert_eq!(tok.token_id("<start_of_turn>"), Some(special["start_of_turn_id"].as_u64().unwrap() as u32));
+    assert_eq!(
+        tok.token_id("<start_of_turn>"),
+        Some(special["start_of_turn_id"].as_u64().unwrap() as u32)
+    );
 }
 
 #[test]

@@ -1,0 +1,155 @@
+//! The `quince` command's interfaces, run as a process on the golden Gemma 4 checkpoint.
+#![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn quince() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_quince"));
+    cmd.current_dir(root());
+    cmd
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn dense() -> PathBuf {
+    root().join("tests/golden/gemma4/dense")
+}
+
+/// The golden prompt and greedy continuation, as comma lists / vectors.
+fn golden() -> (String, Vec<u32>) {
+    let file = mlx::io::load_safetensors(dense().join("golden.safetensors")).unwrap();
+    let read = |k: &str| -> Vec<u32> {
+        file.tensors[k]
+            .astype(mlx::Dtype::Int32)
+            .unwrap()
+            .to_vec::<i32>()
+            .unwrap()
+            .into_iter()
+            .map(|t| t as u32)
+            .collect()
+    };
+    let prompt = read("prompt").iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    (prompt, read("greedy"))
+}
+
+#[test]
+fn generate_json_reports_tokens_and_stats() {
+    let (prompt, greedy) = golden();
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(dense())
+        .args(["--tokens", &prompt, "--max-tokens", "16", "--ignore-eos", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    for key in [
+        "token_ids",
+        "text",
+        "stop_reason",
+        "prompt_tokens",
+        "ttft_ms",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "peak_mem_bytes",
+    ] {
+        assert!(json.get(key).is_some(), "missing {key}: {json}");
+    }
+    let ids: Vec<u32> =
+        json["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    assert_eq!(ids, greedy[..16].to_vec(), "greedy tokens from the CLI equal the reference");
+    assert_eq!(json["stop_reason"], "length");
+    assert_eq!(json["prompt_tokens"], 40);
+    assert_eq!(json["text"], "", "no tokenizer files: ids only");
+}
+
+#[test]
+fn logits_full_and_incremental_match_the_reference() {
+    let (prompt, _) = golden();
+    let dir = tempfile::tempdir().unwrap();
+    let reference = mlx::io::load_safetensors(dense().join("golden.safetensors")).unwrap().tensors
+        ["logits"]
+        .clone();
+    for incremental in [false, true] {
+        let file = dir.path().join(format!("logits-{incremental}.safetensors"));
+        let mut cmd = quince();
+        cmd.args(["logits", "--model"])
+            .arg(dense())
+            .args(["--tokens", &prompt, "--out"])
+            .arg(&file);
+        if incremental {
+            cmd.arg("--incremental");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let logits = mlx::io::load_safetensors(&file).unwrap().tensors["logits"].clone();
+        assert_eq!(logits.shape(), vec![40, 512]);
+        assert_eq!(logits.dtype(), mlx::Dtype::Float32);
+        let diff = logits
+            .subtract(&reference)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all(false)
+            .unwrap()
+            .item::<f32>()
+            .unwrap();
+        assert!(diff <= 1e-4, "incremental={incremental}: {diff}");
+    }
+}
+
+#[test]
+fn bench_json_has_the_speed_fields() {
+    let out = quince()
+        .args(["bench", "--model"])
+        .arg(dense())
+        .args(["--prompt-tokens", "32", "--gen-tokens", "8", "--repeats", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(json["generated_tokens"], 8);
+    assert!(json["decode_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(json["ttft_ms"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bad_requests_fail_with_a_readable_message() {
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(dense())
+        .args(["--prompt", "hi"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no tokenizer.json"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let out = quince()
+        .args(["generate", "--model", "/nonexistent/model", "--tokens", "1,2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("config.json"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(dense())
+        .args(["--tokens", "1,99999"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary"));
+}
