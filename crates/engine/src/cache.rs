@@ -134,6 +134,53 @@ pub trait AttentionCache: Cache {
     /// Window: `L` new positions, causal within the window; query `i` sees the earlier
     /// positions and window positions `0..=i`, limited to the sliding window.
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead>;
+    /// Bidirectional window: as [`AttentionCache::append_window`], except that positions of
+    /// one image block — a maximal run of consecutive `flags` set (`flags.len() == L`) — see
+    /// each other in both directions, regardless of order and of the sliding window
+    /// (mlx-vlm's rule for Gemma 4: `causal ∧ window ∨ same block`). Works at any offset; a
+    /// block must not be split across appends.
+    fn append_bidirectional(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+        flags: &[bool],
+    ) -> Result<AttentionRead>;
+}
+
+/// Block id per position: the index of its run of consecutive `flags`, or −1.
+pub(crate) fn block_ids(flags: &[bool]) -> Vec<i32> {
+    let mut ids = Vec::with_capacity(flags.len());
+    let mut next = 0;
+    for (i, &f) in flags.iter().enumerate() {
+        if !f {
+            ids.push(-1);
+        } else {
+            if i == 0 || !flags[i - 1] {
+                next += 1;
+            }
+            ids.push(next - 1);
+        }
+    }
+    ids
+}
+
+/// `[L, prior + L]` bool: query `i` (at column `prior + i`) sees column `j` when `j ≤ prior + i`
+/// and `prior + i − j < window` (no window: `None`), or when both are new positions in the same
+/// block.
+pub(crate) fn overlay_mask(prior: usize, flags: &[bool], window: Option<usize>) -> Result<Array> {
+    let blocks = block_ids(flags);
+    let length = flags.len();
+    let total = prior + length;
+    let mut visible = Vec::with_capacity(length * total);
+    for i in 0..length {
+        let q = prior + i;
+        for j in 0..total {
+            let causal = j <= q && window.is_none_or(|w| q - j < w);
+            let same = j >= prior && blocks[i] >= 0 && blocks[i] == blocks[j - prior];
+            visible.push(causal || same);
+        }
+    }
+    Ok(Array::from_slice(&visible, &[length as i32, total as i32])?)
 }
 
 /// Checks the shapes of an append: `[B, H, L, D]` keys and values agreeing on `B, H, L`.

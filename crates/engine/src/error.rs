@@ -79,6 +79,14 @@ pub enum Error {
         /// The model's context length.
         limit: usize,
     },
+    /// An image file cannot be used (unreadable, corrupt, unsupported, too large).
+    #[error("cannot use the image {path}: {message}")]
+    InvalidImage {
+        /// The file.
+        path: PathBuf,
+        /// Why, in words.
+        message: String,
+    },
     /// A request argument is invalid (empty prompt, token id out of range, bad sampling value).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

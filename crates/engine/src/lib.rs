@@ -32,5 +32,6 @@ pub mod models;
 pub mod nn;
 pub mod sampling;
 pub mod tokenizer;
+pub mod vision;
 
 pub use error::{Error, Result};

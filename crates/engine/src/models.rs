@@ -1,6 +1,7 @@
 //! Models: the [`Model`] trait and one module per architecture.
 
 pub mod gemma4;
+pub mod gemma4_vision;
 
 use mlx::Array;
 
@@ -51,6 +52,32 @@ pub trait Model: std::fmt::Debug {
         phase: Phase,
         rows: Rows,
     ) -> Result<Array>;
+    /// Logits for a prompt whose image-token positions take the given image features (in
+    /// order, `[n_i, hidden]` each, from [`Model::encode_image`]), appended as one window with
+    /// the model's image-block attention rule.
+    fn forward_multimodal(
+        &self,
+        tokens: &[u32],
+        images: &[Array],
+        caches: &mut [Box<dyn AttentionCache>],
+        rows: Rows,
+    ) -> Result<Array> {
+        let _ = (tokens, images, caches, rows);
+        Err(Error::InvalidRequest("this model does not take images".into()))
+    }
+    /// Soft-token features `[n, hidden]` of one preprocessed image (`[3, H, W]` in [0, 1]).
+    fn encode_image(&self, pixels: &Array) -> Result<Array> {
+        let _ = pixels;
+        Err(Error::InvalidRequest("this model does not take images".into()))
+    }
+    /// The token id image features replace, when the model has a vision tower.
+    fn image_token_id(&self) -> Option<u32> {
+        None
+    }
+    /// Begin- and end-of-image token ids.
+    fn boi_eoi(&self) -> Option<(u32, u32)> {
+        None
+    }
     /// Vocabulary size of the output head.
     fn vocab_size(&self) -> usize;
     /// Longest sequence the model supports.

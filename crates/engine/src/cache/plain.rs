@@ -4,7 +4,7 @@ use mlx::{Array, ops};
 
 use super::{
     AttentionCache, AttentionRead, Cache, CacheState, ReadMask, check_append, check_signature,
-    state_of, state_tensor,
+    overlay_mask, state_of, state_tensor,
 };
 use crate::error::{Error, Result};
 
@@ -150,5 +150,23 @@ impl AttentionCache for PlainCache {
         let (k, v) = self.write(keys, values, length)?;
         let mask = if length == 1 { ReadMask::None } else { ReadMask::Causal };
         Ok(AttentionRead::new(k, v, mask))
+    }
+
+    fn append_bidirectional(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+        flags: &[bool],
+    ) -> Result<AttentionRead> {
+        let length = check_append(keys, values, false)?;
+        if flags.len() != length {
+            return Err(Error::InvalidRequest(format!(
+                "{} flags for {length} positions",
+                flags.len()
+            )));
+        }
+        let mask = overlay_mask(self.offset, flags, None)?;
+        let (k, v) = self.write(keys, values, length)?;
+        Ok(AttentionRead::new(k, v, ReadMask::Array(mask)))
     }
 }

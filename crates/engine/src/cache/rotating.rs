@@ -10,7 +10,7 @@ use mlx::{Array, Dtype, ops};
 
 use super::{
     AttentionCache, AttentionRead, Cache, CacheState, ReadMask, check_append, check_signature,
-    state_of, state_tensor,
+    overlay_mask, state_of, state_tensor,
 };
 use crate::error::{Error, Result};
 
@@ -218,6 +218,34 @@ impl AttentionCache for RotatingCache {
     }
 
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        self.append_span(keys, values, None)
+    }
+
+    fn append_bidirectional(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+        flags: &[bool],
+    ) -> Result<AttentionRead> {
+        let length = check_append(keys, values, false)?;
+        if flags.len() != length {
+            return Err(Error::InvalidRequest(format!(
+                "{} flags for {length} positions",
+                flags.len()
+            )));
+        }
+        self.append_span(keys, values, Some(flags))
+    }
+}
+
+impl RotatingCache {
+    /// A window append, with the image-block overlay when `flags` is given.
+    fn append_span(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+        flags: Option<&[bool]>,
+    ) -> Result<AttentionRead> {
         let length = check_append(keys, values, false)?;
         // History every new query may need: the last window − 1 stored positions.
         let prior_len = self.len.min(self.window - 1);
@@ -234,10 +262,16 @@ impl AttentionCache for RotatingCache {
             _ => (keys.clone(), values.clone()),
         };
         let total = prior_len + length;
-        let mask = if total <= self.window {
-            if length == 1 { ReadMask::None } else { ReadMask::Causal }
-        } else {
-            ReadMask::Array(window_mask(length, prior_len, self.window)?)
+        let mask = match flags {
+            Some(flags) => ReadMask::Array(overlay_mask(prior_len, flags, Some(self.window))?),
+            None if total <= self.window => {
+                if length == 1 {
+                    ReadMask::None
+                } else {
+                    ReadMask::Causal
+                }
+            }
+            None => ReadMask::Array(window_mask(length, prior_len, self.window)?),
         };
         let keep = total.min(self.window);
         let (fs, vs) = (full_k.shape(), full_v.shape());

@@ -10,14 +10,15 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use mlx::Array;
 use mlx::fast::{RopeFrequencies, RopeOffset, rope};
+use mlx::{Array, ops};
 use serde::Deserialize;
 use serde_json::Value;
 
 use crate::cache::{AttentionCache, AttentionRead, PlainCache, RotatingCache};
 use crate::checkpoint::{ModelDir, Weights};
 use crate::error::{Error, Result};
+use crate::models::gemma4_vision::{Gemma4Vision, VisionConfig};
 use crate::models::{Model, Phase, Rows};
 use crate::nn::{Activations, Embedding, Linear, RmsNorm};
 
@@ -308,6 +309,11 @@ pub struct Gemma4Text {
     activations: Activations,
     /// Scalars of the forward pass, made once in the model's dtype.
     constants: Constants,
+    vision: Option<Gemma4Vision>,
+    image_token_id: Option<u32>,
+    boi_eoi: Option<(u32, u32)>,
+    /// `use_bidirectional_attention == "vision"`: image blocks attend both ways in prefill.
+    bidirectional_vision: bool,
 }
 
 #[derive(Debug)]
@@ -421,7 +427,36 @@ impl Gemma4Text {
                 _ => None,
             },
         };
+        let top = &dir.config;
+        let id = |key: &str| top.get(key).and_then(Value::as_u64).map(|v| v as u32);
+        let vision = match top.get("vision_config") {
+            Some(v)
+                if !v.is_null()
+                    && dir
+                        .tensors
+                        .contains_key("vision_tower.patch_embedder.input_proj.weight") =>
+            {
+                let vc: VisionConfig =
+                    serde_json::from_value(v.clone()).map_err(|e| Error::Config {
+                        file: "config.json".into(),
+                        message: format!("vision_config: {e}"),
+                    })?;
+                Some(Gemma4Vision::load(&dir.weights("")?, vc, config.hidden_size)?)
+            }
+            _ => None,
+        };
+        let bidirectional_vision = dir
+            .config
+            .get("text_config")
+            .and_then(|t| t.get("use_bidirectional_attention"))
+            .and_then(Value::as_str)
+            == Some("vision");
+        let boi_eoi = id("boi_token_id").zip(id("eoi_token_id"));
         Ok(Gemma4Text {
+            vision,
+            image_token_id: id("image_token_id"),
+            boi_eoi,
+            bidirectional_vision,
             activations: Activations::new()?,
             constants,
             config,
@@ -560,7 +595,7 @@ impl Attention {
         offset: i32,
         cache: Option<&mut Box<dyn AttentionCache>>,
         shared: Option<&AttentionRead>,
-        phase: Phase,
+        append: &Append<'_>,
     ) -> Result<(Array, Option<AttentionRead>)> {
         let s = x.shape();
         let (b, l) = (s[0], s[1]);
@@ -587,9 +622,10 @@ impl Attention {
                 let k = kv.k_norm.forward(&raw_k)?.transpose(&[0, 2, 1, 3])?;
                 let k = rope.apply(&k, offset)?;
                 let v = kv.v_norm.forward(&raw_v)?.transpose(&[0, 2, 1, 3])?;
-                let read = match phase {
-                    Phase::Window => cache.append_window(&k, &v)?,
-                    Phase::Decode => cache.append_decode(&k, &v)?,
+                let read = match append {
+                    Append::Window => cache.append_window(&k, &v)?,
+                    Append::Decode => cache.append_decode(&k, &v)?,
+                    Append::Bidirectional(flags) => cache.append_bidirectional(&k, &v, flags)?,
                 };
                 (read.clone(), Some(read))
             }
@@ -614,8 +650,8 @@ impl Mlp {
     }
 }
 
-impl Model for Gemma4Text {
-    fn new_caches(&self) -> Result<Vec<Box<dyn AttentionCache>>> {
+impl Gemma4Text {
+    fn caches(&self) -> Result<Vec<Box<dyn AttentionCache>>> {
         (0..self.first_shared)
             .map(|i| -> Result<Box<dyn AttentionCache>> {
                 if self.config.layer_types[i] == "sliding_attention" {
@@ -634,6 +670,95 @@ impl Model for Gemma4Text {
         phase: Phase,
         rows: Rows,
     ) -> Result<Array> {
+        let h = self.embed_tokens.forward(tokens)?.multiply(&self.constants.embed_scale)?;
+        let append = match phase {
+            Phase::Window => Append::Window,
+            Phase::Decode => Append::Decode,
+        };
+        self.run(tokens, h, caches, &append, rows)
+    }
+
+    fn forward_multimodal(
+        &self,
+        tokens: &[u32],
+        images: &[Array],
+        caches: &mut [Box<dyn AttentionCache>],
+        rows: Rows,
+    ) -> Result<Array> {
+        let ids = token_array(tokens)?;
+        let mut h = self.embed_tokens.forward(&ids)?.multiply(&self.constants.embed_scale)?;
+        let flags: Vec<bool> = tokens.iter().map(|&t| Some(t) == self.image_token_id).collect();
+        let slots = flags.iter().filter(|&&f| f).count();
+        let provided: i32 = images.iter().map(|f| f.dim(0)).sum::<mlx::Result<i32>>()?;
+        if slots != provided as usize {
+            return Err(Error::InvalidRequest(format!(
+                "the prompt has {slots} image tokens but the images give {provided} features"
+            )));
+        }
+        let mut ple_ids = ids.clone();
+        if slots > 0 {
+            // Scatter the features, in order, into the image-token rows: gather from
+            // [token embeddings; features] with an index per position (a copy, no arithmetic).
+            let t = tokens.len() as i32;
+            let mut next = t;
+            let index: Vec<i32> = flags
+                .iter()
+                .enumerate()
+                .map(|(i, &f)| {
+                    if f {
+                        next += 1;
+                        next - 1
+                    } else {
+                        i as i32
+                    }
+                })
+                .collect();
+            let features: Vec<Array> =
+                images.iter().map(|f| f.astype(h.dtype())).collect::<mlx::Result<_>>()?;
+            let mut all = vec![h.squeeze(&[0])?];
+            all.extend(features);
+            let joined = ops::concatenate(&all.iter().collect::<Vec<_>>(), 0)?;
+            h = joined.take(&Array::from_slice(&index, &[t])?, 0)?.expand_dims(&[0])?;
+            // The per-layer token embeddings see the pad id at image positions.
+            let masked: Vec<u32> =
+                tokens.iter().zip(&flags).map(|(&tok, &f)| if f { 0 } else { tok }).collect();
+            ple_ids = token_array(&masked)?;
+        }
+        let append = if slots > 0 && self.bidirectional_vision {
+            Append::Bidirectional(&flags)
+        } else {
+            Append::Window
+        };
+        self.run(&ple_ids, h, caches, &append, rows)
+    }
+
+    fn encode_image(&self, pixels: &Array) -> Result<Array> {
+        match &self.vision {
+            Some(vision) => vision.encode(pixels),
+            None => Err(Error::InvalidRequest("this checkpoint has no vision tower".into())),
+        }
+    }
+
+    fn image_token_id(&self) -> Option<u32> {
+        self.vision.as_ref().and(self.image_token_id)
+    }
+
+    fn boi_eoi(&self) -> Option<(u32, u32)> {
+        self.boi_eoi
+    }
+}
+
+impl Gemma4Text {
+    /// The decoder over embeddings `h` `[1, T, H]`; `ple_ids` are the ids the per-layer token
+    /// embeddings read.
+    fn run(
+        &self,
+        ple_ids: &Array,
+        mut h: Array,
+        caches: &mut [Box<dyn AttentionCache>],
+        append: &Append<'_>,
+        rows: Rows,
+    ) -> Result<Array> {
         if caches.len() != self.first_shared {
             return Err(Error::InvalidRequest(format!(
                 "Gemma 4 needs {} caches, got {}",
@@ -642,14 +767,13 @@ impl Model for Gemma4Text {
             )));
         }
         let offset = caches.first().map_or(0, |c| c.offset()) as i32;
-        let mut h = self.embed_tokens.forward(tokens)?.multiply(&self.constants.embed_scale)?;
         let per_layer = match &self.ple {
-            Some(ple) => Some(self.per_layer_inputs(ple, tokens, &h)?),
+            Some(ple) => Some(self.per_layer_inputs(ple, ple_ids, &h)?),
             None => None,
         };
         let mut per_layer = per_layer;
         let mut offset = offset;
-        let length = tokens.dim(1)?;
+        let length = h.dim(1)?;
         // With only the last row wanted, the last layer that writes a cache takes keys and
         // values from every row but queries from the last one; from there on only that row
         // flows (KV-sharing layers, the head).
@@ -669,8 +793,9 @@ impl Model for Gemma4Text {
                 None
             };
             let normed = layer.input_layernorm.forward(&h)?;
-            let (attn, own) =
-                layer.attention.forward(&normed, query_rows, rope, offset, cache, shared, phase)?;
+            let (attn, own) = layer
+                .attention
+                .forward(&normed, query_rows, rope, offset, cache, shared, append)?;
             reads.push(own);
             if trim_at == Some(i) {
                 (h, per_layer) = last_rows(&h, per_layer.as_ref())?;
@@ -702,6 +827,44 @@ impl Model for Gemma4Text {
             None => Ok(logits),
         }
     }
+}
+
+impl Model for Gemma4Text {
+    fn new_caches(&self) -> Result<Vec<Box<dyn AttentionCache>>> {
+        self.caches()
+    }
+
+    fn forward_rows(
+        &self,
+        tokens: &Array,
+        caches: &mut [Box<dyn AttentionCache>],
+        phase: Phase,
+        rows: Rows,
+    ) -> Result<Array> {
+        Gemma4Text::forward_rows(self, tokens, caches, phase, rows)
+    }
+
+    fn forward_multimodal(
+        &self,
+        tokens: &[u32],
+        images: &[Array],
+        caches: &mut [Box<dyn AttentionCache>],
+        rows: Rows,
+    ) -> Result<Array> {
+        Gemma4Text::forward_multimodal(self, tokens, images, caches, rows)
+    }
+
+    fn encode_image(&self, pixels: &Array) -> Result<Array> {
+        Gemma4Text::encode_image(self, pixels)
+    }
+
+    fn image_token_id(&self) -> Option<u32> {
+        Gemma4Text::image_token_id(self)
+    }
+
+    fn boi_eoi(&self) -> Option<(u32, u32)> {
+        Gemma4Text::boi_eoi(self)
+    }
 
     fn vocab_size(&self) -> usize {
         self.config.vocab_size as usize
@@ -720,6 +883,15 @@ impl Model for Gemma4Text {
             _ => Vec::new(),
         }
     }
+}
+
+/// How a forward pass appends to the caches.
+#[derive(Debug)]
+enum Append<'a> {
+    Window,
+    Decode,
+    /// A window whose image blocks (runs of flags) attend bidirectionally.
+    Bidirectional(&'a [bool]),
 }
 
 /// The last position of `h` `[B, T, H]` and of the per-layer inputs `[B, T, L, W]`.

@@ -1,0 +1,71 @@
+//! Gemma 4's image preprocessing (`shared/reference/engine.md` §2.2): an aspect-preserving
+//! resize to the largest size whose 48-px multiples fit the patch budget, PIL bicubic, values
+//! scaled to [0, 1] (the model itself maps them to [−1, 1]).
+
+use ::image::RgbImage;
+use mlx::Array;
+
+use super::image::resize_bicubic;
+use crate::error::{Error, Result};
+
+/// Soft-token budgets Gemma 4 supports per image.
+pub const SOFT_TOKEN_BUDGETS: [usize; 5] = [70, 140, 280, 560, 1120];
+
+/// Patch side in pixels.
+pub const PATCH: u32 = 16;
+/// Pooling kernel side: 3×3 patches make one soft token.
+pub const POOL: u32 = 3;
+
+/// An image ready for the vision tower.
+#[derive(Debug)]
+pub struct PreparedImage {
+    /// `[3, H, W]` float32 in [0, 1], channel-first.
+    pub pixels: Array,
+    /// Resized height.
+    pub height: u32,
+    /// Resized width.
+    pub width: u32,
+    /// Soft tokens the image becomes: (H / 48) · (W / 48).
+    pub soft_tokens: usize,
+}
+
+/// The resized size for an image of `width × height` under `max_soft_tokens`.
+pub fn target_size(width: u32, height: u32, max_soft_tokens: usize) -> (u32, u32) {
+    let side = PATCH * POOL; // 48
+    let max_patches = (max_soft_tokens * (POOL * POOL) as usize) as f64;
+    let (w, h) = (f64::from(width), f64::from(height));
+    let factor = (max_patches * f64::from(PATCH * PATCH) / (h * w)).sqrt();
+    let fit = |x: f64| ((factor * x / f64::from(side)).floor() as u32) * side;
+    let (mut tw, mut th) = (fit(w), fit(h));
+    // A side that rounds to nothing becomes one cell; the other side is capped to the budget.
+    let max_cells = max_soft_tokens as u32;
+    if th == 0 {
+        th = side;
+        tw = (tw / side).clamp(1, max_cells) * side;
+    }
+    if tw == 0 {
+        tw = side;
+        th = (th / side).clamp(1, max_cells) * side;
+    }
+    (tw, th)
+}
+
+/// Resizes and scales `image` for a budget of `max_soft_tokens` (one of
+/// [`SOFT_TOKEN_BUDGETS`]).
+pub fn preprocess(image: &RgbImage, max_soft_tokens: usize) -> Result<PreparedImage> {
+    if !SOFT_TOKEN_BUDGETS.contains(&max_soft_tokens) {
+        return Err(Error::InvalidRequest(format!(
+            "max soft tokens must be one of {SOFT_TOKEN_BUDGETS:?}, got {max_soft_tokens}"
+        )));
+    }
+    let (width, height) = target_size(image.width(), image.height(), max_soft_tokens);
+    let resized = resize_bicubic(image, width, height);
+    // HWC u8 → CHW f32 / 255.
+    let hwc = Array::from_slice(resized.as_raw(), &[height as i32, width as i32, 3])?;
+    let pixels = hwc
+        .astype(mlx::Dtype::Float32)?
+        .divide(&Array::scalar(255.0f32)?)?
+        .transpose(&[2, 0, 1])?;
+    let soft_tokens = ((height / (PATCH * POOL)) * (width / (PATCH * POOL))) as usize;
+    Ok(PreparedImage { pixels, height, width, soft_tokens })
+}
