@@ -15,6 +15,8 @@ enum Step {
     Window(usize),
     Decode,
     Trim(usize),
+    /// A window whose flagged runs are image blocks.
+    Bidirectional(Vec<bool>),
 }
 
 fn steps() -> impl Strategy<Value = Vec<Step>> {
@@ -24,6 +26,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
             Just(Step::Decode),
             Just(Step::Decode),
             (1usize..4).prop_map(Step::Trim),
+            prop::collection::vec(any::<bool>(), 1..9).prop_map(Step::Bidirectional),
         ],
         1..14,
     )
@@ -34,13 +37,15 @@ fn normal(shape: &[i32], seed: u64) -> Array {
 }
 
 /// softmax(q kᵀ · scale + mask) v over the full history, with query `i` at absolute position
-/// `first + i` seeing key `j` when `j <= first + i` and `first + i − j < window`.
+/// `first + i` seeing key `j` when `j <= first + i` and `first + i − j < window`, or when both
+/// are new positions in the same run of `flags`.
 fn naive(
     q: &Array,
     keys: &[Array],
     values: &[Array],
     first: usize,
     window: Option<usize>,
+    flags: Option<&[bool]>,
 ) -> Array {
     let k = ops::concatenate(&keys.iter().collect::<Vec<_>>(), 2).unwrap();
     let v = ops::concatenate(&values.iter().collect::<Vec<_>>(), 2).unwrap();
@@ -56,11 +61,26 @@ fn naive(
     };
     let (k, v) = (expand(&k), expand(&v));
     let l = q.dim(2).unwrap() as usize;
+    // Run index per new position (−1 outside runs), computed independently of the engine.
+    let mut run = vec![-1i32; l];
+    if let Some(flags) = flags {
+        let mut id = -1;
+        for i in 0..l {
+            if flags[i] {
+                if i == 0 || !flags[i - 1] {
+                    id += 1;
+                }
+                run[i] = id;
+            }
+        }
+    }
     let mut visible = Vec::new();
     for i in 0..l {
         let p = first + i;
         for j in 0..s as usize {
-            visible.push(j <= p && window.is_none_or(|w| p - j < w));
+            let causal = j <= p && window.is_none_or(|w| p - j < w);
+            let same = j >= first && run[i] >= 0 && run[i] == run[j - first];
+            visible.push(causal || same);
         }
     }
     let mask = Array::from_slice(&visible, &[l as i32, s]).unwrap();
@@ -96,6 +116,7 @@ fn run(cache: &mut dyn AttentionCache, window: Option<usize>, steps: &[Step], se
                 continue;
             }
             Step::Window(l) => *l,
+            Step::Bidirectional(flags) => flags.len(),
             Step::Decode => 1,
         };
         let k = normal(&[B, HKV, length as i32, D], seed);
@@ -104,6 +125,7 @@ fn run(cache: &mut dyn AttentionCache, window: Option<usize>, steps: &[Step], se
         let first = keys.len();
         let read = match step {
             Step::Decode => cache.append_decode(&k, &v).unwrap(),
+            Step::Bidirectional(flags) => cache.append_bidirectional(&k, &v, flags).unwrap(),
             _ => cache.append_window(&k, &v).unwrap(),
         };
         for i in 0..length as i32 {
@@ -112,7 +134,11 @@ fn run(cache: &mut dyn AttentionCache, window: Option<usize>, steps: &[Step], se
         }
         assert_eq!(cache.offset(), keys.len(), "offset advances by the appended length");
         let got = read.attend(&q, 0.5).unwrap();
-        let want = naive(&q, &keys, &values, first, window);
+        let flags = match step {
+            Step::Bidirectional(flags) => Some(flags.as_slice()),
+            _ => None,
+        };
+        let want = naive(&q, &keys, &values, first, window, flags);
         let diff = max_diff(&got, &want);
         assert!(diff < 1e-5, "step {n} ({step:?}) differs by {diff}: steps {steps:?}");
         checked += 1;
