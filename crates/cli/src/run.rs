@@ -8,7 +8,7 @@ use anyhow::{Context, bail};
 use engine::generate::{Flow, GenerateRequest, generate as run_generation};
 use engine::models::{self, Model, Phase};
 use engine::sampling::SamplingParams;
-use engine::tokenizer::{Message, TextStream, Tokenizer};
+use engine::tokenizer::{Content, Message, Part, TextStream, Tokenizer};
 use mlx::ops;
 use serde_json::json;
 
@@ -32,6 +32,13 @@ pub struct GenerateArgs {
     /// Stop when the reply contains this text (repeatable; needs a tokenizer).
     #[arg(long)]
     stop: Vec<String>,
+    /// An image for the prompt (repeatable). With --prompt it goes where the chat template
+    /// puts images; with --tokens it fills the next run of the model's image token.
+    #[arg(long)]
+    image: Vec<PathBuf>,
+    /// Soft-token budget per image: 70, 140, 280, 560 or 1120.
+    #[arg(long, default_value_t = 280)]
+    max_soft_tokens: usize,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -73,9 +80,16 @@ pub struct LogitsArgs {
     /// Output safetensors file; float32 logits [T, V] under `logits`.
     #[arg(long)]
     out: PathBuf,
-    /// Prefill the first token, then one decode step per remaining token.
+    /// Prefill the first token, then one decode step per remaining token (each image block,
+    /// boi … eoi, as one bidirectional window).
     #[arg(long)]
     incremental: bool,
+    /// Images filling the runs of the model's image token, in order (repeatable).
+    #[arg(long)]
+    image: Vec<PathBuf>,
+    /// Soft-token budget per image: 70, 140, 280, 560 or 1120.
+    #[arg(long, default_value_t = 280)]
+    max_soft_tokens: usize,
 }
 
 /// Arguments of `quince bench`.
@@ -113,6 +127,49 @@ fn synthetic_prompt(n: usize, vocab: u32) -> Vec<u32> {
     (0..n as u32).map(|i| 3 + (i * 7919 + 13) % (vocab - 3)).collect()
 }
 
+/// Decodes, preprocesses and encodes each image: features `[n_i, hidden]` per image.
+fn encode_images(
+    model: &dyn Model,
+    paths: &[PathBuf],
+    max_soft_tokens: usize,
+) -> anyhow::Result<Vec<mlx::Array>> {
+    if !paths.is_empty() && model.image_token_id().is_none() {
+        bail!("this model has no vision tower: it cannot take --image");
+    }
+    paths
+        .iter()
+        .map(|path| {
+            let rgb = engine::vision::image::load_rgb(path)?;
+            let prepared = engine::vision::gemma4::preprocess(&rgb, max_soft_tokens)?;
+            let features = model.encode_image(&prepared.pixels)?;
+            Ok(features)
+        })
+        .collect()
+}
+
+/// Inserts `image × n_i` and `eoi` after the i-th `boi` of a rendered prompt.
+fn expand_images(tokens: &[u32], model: &dyn Model, counts: &[usize]) -> anyhow::Result<Vec<u32>> {
+    let (Some(image), Some((boi, eoi))) = (model.image_token_id(), model.boi_eoi()) else {
+        bail!("this model has no vision tower");
+    };
+    let mut out = Vec::with_capacity(tokens.len() + counts.iter().sum::<usize>());
+    let mut next = counts.iter();
+    for &t in tokens {
+        out.push(t);
+        if t == boi {
+            let Some(&n) = next.next() else {
+                bail!("the chat template placed more images than were given")
+            };
+            out.extend(std::iter::repeat_n(image, n));
+            out.push(eoi);
+        }
+    }
+    if next.next().is_some() {
+        bail!("the chat template placed fewer images than were given (no begin-of-image token)");
+    }
+    Ok(out)
+}
+
 fn load(path: &PathBuf) -> anyhow::Result<Box<dyn Model>> {
     models::load(path).with_context(|| format!("loading the model at {}", path.display()))
 }
@@ -131,7 +188,13 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
             if let Some(system) = &args.system {
                 messages.push(Message::text("system", system));
             }
-            messages.push(Message::text("user", text));
+            if args.image.is_empty() {
+                messages.push(Message::text("user", text));
+            } else {
+                let mut parts = vec![Part::Image; args.image.len()];
+                parts.push(Part::Text { text: text.clone() });
+                messages.push(Message { role: "user".into(), content: Content::Parts(parts) });
+            }
             if tokenizer.has_chat_template() {
                 tokenizer.encode_chat(&messages, true)?
             } else {
@@ -143,6 +206,14 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if !args.stop.is_empty() && tokenizer.is_none() {
         bail!("--stop needs a tokenizer; {} has none", args.model.display());
     }
+    let images = encode_images(model.as_ref(), &args.image, args.max_soft_tokens)?;
+    let prompt = if args.prompt.is_some() && !images.is_empty() {
+        let counts =
+            images.iter().map(|f| f.dim(0).map(|n| n as usize)).collect::<mlx::Result<Vec<_>>>()?;
+        expand_images(&prompt, model.as_ref(), &counts)?
+    } else {
+        prompt
+    };
     let mut stop_tokens = model.eos_token_ids();
     if let Some(t) = &tokenizer {
         stop_tokens.extend_from_slice(t.stop_tokens());
@@ -162,6 +233,7 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         },
         stop_tokens: if args.ignore_eos { Vec::new() } else { stop_tokens },
         prefill_step: 512,
+        images,
     };
     let mut out = std::io::stdout().lock();
     let json = args.json;
@@ -225,7 +297,10 @@ pub fn logits(args: &LogitsArgs) -> anyhow::Result<()> {
     engine::generate::check_prompt(model.as_ref(), 0, &args.tokens, 0)?;
     let mut caches = model.new_caches()?;
     let ids = |t: &[u32]| engine::models::gemma4::token_array(t);
-    let logits = if args.incremental {
+    let images = encode_images(model.as_ref(), &args.image, args.max_soft_tokens)?;
+    let logits = if !images.is_empty() {
+        multimodal_logits(model.as_ref(), &mut caches, &args.tokens, &images, args.incremental)?
+    } else if args.incremental {
         let mut rows = vec![model.forward(&ids(&args.tokens[..1])?, &mut caches, Phase::Window)?];
         for &token in &args.tokens[1..] {
             let row = model.forward(&ids(&[token])?, &mut caches, Phase::Decode)?;
@@ -248,6 +323,58 @@ pub fn logits(args: &LogitsArgs) -> anyhow::Result<()> {
     mlx::io::save_safetensors(&args.out, &tensors, &metadata)
         .with_context(|| format!("writing {}", args.out.display()))?;
     Ok(())
+}
+
+/// Logits over a prompt with images: one window, or (incremental) text one decode step at a
+/// time and each image block `boi … eoi` as one bidirectional window.
+fn multimodal_logits(
+    model: &dyn Model,
+    caches: &mut [Box<dyn engine::cache::AttentionCache>],
+    tokens: &[u32],
+    images: &[mlx::Array],
+    incremental: bool,
+) -> anyhow::Result<mlx::Array> {
+    use engine::models::Rows;
+    if !incremental {
+        return Ok(model.forward_multimodal(tokens, images, caches, Rows::All)?);
+    }
+    let image = model.image_token_id().context("this model has no vision tower")?;
+    let (boi, eoi) = model.boi_eoi().context("this model has no begin/end-of-image tokens")?;
+    let runs = engine::generate::image_runs(tokens, image);
+    if runs.len() != images.len() {
+        bail!("the prompt has {} image blocks but {} images were given", runs.len(), images.len());
+    }
+    let mut rows = Vec::new();
+    let mut i = 0;
+    let mut next = 0;
+    while i < tokens.len() {
+        let block = runs
+            .get(next)
+            .copied()
+            .filter(|&(start, _)| start == i || (start == i + 1 && tokens[i] == boi));
+        if let Some((start, len)) = block {
+            let mut end = start + len;
+            if end < tokens.len() && tokens[end] == eoi {
+                end += 1;
+            }
+            rows.push(model.forward_multimodal(
+                &tokens[i..end],
+                &images[next..=next],
+                caches,
+                Rows::All,
+            )?);
+            next += 1;
+            i = end;
+        } else {
+            let phase = if i == 0 { Phase::Window } else { Phase::Decode };
+            let ids = engine::models::gemma4::token_array(&tokens[i..=i])?;
+            let row = model.forward(&ids, caches, phase)?;
+            row.eval()?;
+            rows.push(row);
+            i += 1;
+        }
+    }
+    Ok(ops::concatenate(&rows.iter().collect::<Vec<_>>(), 1)?)
 }
 
 /// `quince bench`.

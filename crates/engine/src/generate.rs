@@ -25,6 +25,9 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
     /// Positions per prefill chunk.
     pub prefill_step: usize,
+    /// Image features `[n_i, hidden]` (from `Model::encode_image`), filling the prompt's runs
+    /// of image tokens in order.
+    pub images: Vec<Array>,
 }
 
 impl GenerateRequest {
@@ -36,6 +39,7 @@ impl GenerateRequest {
             sampling: SamplingParams::default(),
             stop_tokens: Vec::new(),
             prefill_step: 512,
+            images: Vec::new(),
         }
     }
 }
@@ -153,6 +157,77 @@ pub fn prefill(
     Ok(row)
 }
 
+/// Runs of `image_token` in `tokens`, as `(start, length)`.
+pub fn image_runs(tokens: &[u32], image_token: u32) -> Vec<(usize, usize)> {
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < tokens.len() {
+        if tokens[i] == image_token {
+            let start = i;
+            while i < tokens.len() && tokens[i] == image_token {
+                i += 1;
+            }
+            runs.push((start, i - start));
+        } else {
+            i += 1;
+        }
+    }
+    runs
+}
+
+/// Prefills a prompt with images in chunks of about `step` positions; a chunk never ends
+/// inside a run of image tokens (the run is one bidirectional block), and each image's
+/// features go to the chunk holding its run. Returns the last position's logits `[1, V]`.
+pub fn prefill_multimodal(
+    model: &dyn Model,
+    caches: &mut [Box<dyn AttentionCache>],
+    tokens: &[u32],
+    images: &[Array],
+    step: usize,
+) -> Result<Array> {
+    let image_token = model
+        .image_token_id()
+        .ok_or_else(|| Error::InvalidRequest("this model does not take images".into()))?;
+    let runs = image_runs(tokens, image_token);
+    if runs.len() != images.len() {
+        return Err(Error::InvalidRequest(format!(
+            "the prompt has {} image blocks but {} images were given",
+            runs.len(),
+            images.len()
+        )));
+    }
+    for (i, ((_, len), features)) in runs.iter().zip(images).enumerate() {
+        let rows = features.dim(0)? as usize;
+        if rows != *len {
+            return Err(Error::InvalidRequest(format!(
+                "image {} has {rows} soft tokens but its block in the prompt has {len}",
+                i + 1
+            )));
+        }
+    }
+    let step = step.max(1);
+    let mut start = 0;
+    let mut next_image = 0;
+    let mut last = None;
+    while start < tokens.len() {
+        let mut end = (start + step).min(tokens.len());
+        // Extend past any run that the cut would split.
+        if let Some(&(run_start, run_len)) = runs.iter().find(|(s, l)| *s < end && s + l > end) {
+            end = run_start + run_len;
+        }
+        let chunk = &tokens[start..end];
+        let in_chunk = runs.iter().filter(|(s, _)| *s >= start && *s < end).count();
+        let chunk_images = &images[next_image..next_image + in_chunk];
+        next_image += in_chunk;
+        let logits = model.forward_multimodal(chunk, chunk_images, caches, Rows::Last)?;
+        let row = logits.reshape(&[1, -1])?;
+        row.eval()?;
+        last = Some(row);
+        start = end;
+    }
+    last.ok_or_else(|| Error::InvalidRequest("the prompt is empty".into()))
+}
+
 /// Generates after appending `request.prompt` to `caches`, streaming each token to `on_token`.
 pub fn generate(
     model: &dyn Model,
@@ -168,7 +243,11 @@ pub fn generate(
     mlx::device::memory::reset_peak()?;
     let start = Instant::now();
 
-    let logits = prefill(model, caches, &request.prompt, request.prefill_step)?;
+    let logits = if request.images.is_empty() {
+        prefill(model, caches, &request.prompt, request.prefill_step)?
+    } else {
+        prefill_multimodal(model, caches, &request.prompt, &request.images, request.prefill_step)?
+    };
     let mut history = request.prompt.clone();
     let mut tokens = Vec::new();
     let mut stats =

@@ -246,7 +246,11 @@ impl Gemma4Vision {
             .position_table
             .slice(&[1, 0, 0], &[2, c.position_embedding_size, c.hidden_size], &[1, 1, 1])?
             .squeeze(&[0])?;
-        let position = table_x.take(&xs, 0)?.add(&table_y.take(&ys, 0)?)?;
+        let position = lookup(&table_x, &xs, c.position_embedding_size)?.add(&lookup(
+            &table_y,
+            &ys,
+            c.position_embedding_size,
+        )?)?;
         h = h.add(&position.expand_dims(&[0])?)?;
         let (cos_x, sin_x, cos_y, sin_y) = self.rope_tables(&xs, &ys, dtype)?;
         for block in &self.blocks {
@@ -324,6 +328,16 @@ impl Gemma4Vision {
         let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, heads * d])?;
         block.o_proj.forward(&out)
     }
+}
+
+/// Rows of a position table; positions past its end contribute zero, as the reference's
+/// one-hot product gives (without materializing the one-hot matrix).
+fn lookup(table: &Array, positions: &Array, size: i32) -> Result<Array> {
+    let last = Array::scalar(size - 1)?;
+    let clamped = positions.minimum(&last)?;
+    let rows = table.take(&clamped, 0)?;
+    let inside = positions.lt(&Array::scalar(size)?)?.expand_dims(&[1])?;
+    Ok(ops::where_(&inside, &rows, &rows.scalar_like(0.0)?)?)
 }
 
 /// RMS norm computed in f32 (`VisionRMSNorm`): `x · rsqrt(mean(x²) + eps) · weight`.
