@@ -79,6 +79,7 @@ lint: setup
 golden-check: setup
 	$(VENV_PY) tests/golden/gemma4/make_golden.py --check
 	$(VENV_PY) tests/golden/tokenizer/make_golden.py --check
+	$(VENV_PY) tests/golden/vision/make_golden.py --check
 
 # Doc tests and the build check first, so the run ends on the main suite's summary line.
 test-rust: setup
@@ -99,6 +100,7 @@ fixtures: setup
 	$(VENV_PY) tests/golden/ops/make_fixtures.py
 	$(VENV_PY) tests/golden/gemma4/make_golden.py
 	$(VENV_PY) tests/golden/tokenizer/make_golden.py
+	$(VENV_PY) tests/golden/vision/make_golden.py
 
 bench-ops: setup
 	$(CARGO) run --release --locked -p quince-cli -- bench-ops

@@ -153,3 +153,89 @@ fn bad_requests_fail_with_a_readable_message() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary"));
 }
+
+fn vision_golden() -> (Vec<u32>, mlx::Array, Vec<u32>) {
+    let file =
+        mlx::io::load_safetensors(root().join("tests/golden/vision/vision.safetensors")).unwrap();
+    let read = |k: &str| -> Vec<u32> {
+        file.tensors[k]
+            .astype(mlx::Dtype::Int32)
+            .unwrap()
+            .to_vec::<i32>()
+            .unwrap()
+            .into_iter()
+            .map(|t| t as u32)
+            .collect()
+    };
+    (read("single.ids"), file.tensors["single.logits"].clone(), read("single.greedy"))
+}
+
+#[test]
+fn image_prompts_through_the_cli_match_mlx_vlm() {
+    let (ids, reference, greedy) = vision_golden();
+    let tokens = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let image = root().join("tests/golden/vision/images/rgb_640x480.png");
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(dense())
+        .args(["--tokens", &tokens, "--image"])
+        .arg(&image)
+        .args(["--max-soft-tokens", "70", "--max-tokens", "12", "--ignore-eos", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let got: Vec<u32> =
+        json["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    assert_eq!(got, greedy[..12].to_vec());
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("logits.safetensors");
+    let out = quince()
+        .args(["logits", "--model"])
+        .arg(dense())
+        .args(["--tokens", &tokens, "--image"])
+        .arg(&image)
+        .args(["--max-soft-tokens", "70", "--incremental", "--out"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let logits = mlx::io::load_safetensors(&file).unwrap().tensors["logits"].clone();
+    let diff = logits
+        .subtract(&reference)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all(false)
+        .unwrap()
+        .item::<f32>()
+        .unwrap();
+    assert!(diff <= 1e-4, "incremental image logits differ by {diff}");
+
+    // Too few image tokens for the image: a clear error.
+    let short: String =
+        ids.iter().filter(|&&t| t != 500).map(u32::to_string).collect::<Vec<_>>().join(",");
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(dense())
+        .args(["--tokens", &short, "--image"])
+        .arg(&image)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("image blocks"), "{stderr}");
+    // A corrupt image: a clear error naming the file.
+    let bad = root().join("tests/golden/vision/images/bad/truncated.png");
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(dense())
+        .args(["--tokens", &tokens, "--image"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("truncated.png"));
+}

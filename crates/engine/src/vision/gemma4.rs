@@ -27,6 +27,8 @@ pub struct PreparedImage {
     pub width: u32,
     /// Soft tokens the image becomes: (H / 48) · (W / 48).
     pub soft_tokens: usize,
+    /// The resized 8-bit image the pixels were made from.
+    pub resized: RgbImage,
 }
 
 /// The resized size for an image of `width × height` under `max_soft_tokens`.
@@ -37,15 +39,18 @@ pub fn target_size(width: u32, height: u32, max_soft_tokens: usize) -> (u32, u32
     let factor = (max_patches * f64::from(PATCH * PATCH) / (h * w)).sqrt();
     let fit = |x: f64| ((factor * x / f64::from(side)).floor() as u32) * side;
     let (mut tw, mut th) = (fit(w), fit(h));
-    // A side that rounds to nothing becomes one cell; the other side is capped to the budget.
-    let max_cells = max_soft_tokens as u32;
-    if th == 0 {
+    // A side that rounds to nothing becomes one cell, and the other side follows the aspect
+    // ratio in whole cells, capped at the budget (the reference's rule; the aspect ratio is
+    // not kept there).
+    let cap = max_soft_tokens as u32 * side;
+    if th == 0 && tw == 0 {
+        (tw, th) = (side, side);
+    } else if th == 0 {
         th = side;
-        tw = (tw / side).clamp(1, max_cells) * side;
-    }
-    if tw == 0 {
+        tw = ((width / height.max(1)) * side).min(cap);
+    } else if tw == 0 {
         tw = side;
-        th = (th / side).clamp(1, max_cells) * side;
+        th = ((height / width.max(1)) * side).min(cap);
     }
     (tw, th)
 }
@@ -67,5 +72,5 @@ pub fn preprocess(image: &RgbImage, max_soft_tokens: usize) -> Result<PreparedIm
         .divide(&Array::scalar(255.0f32)?)?
         .transpose(&[2, 0, 1])?;
     let soft_tokens = ((height / (PATCH * POOL)) * (width / (PATCH * POOL))) as usize;
-    Ok(PreparedImage { pixels, height, width, soft_tokens })
+    Ok(PreparedImage { pixels, height, width, soft_tokens, resized })
 }

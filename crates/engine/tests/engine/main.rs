@@ -6,3 +6,4 @@ mod cache;
 mod errors;
 mod gemma4;
 mod tokenizer;
+mod vision;
