@@ -3,7 +3,11 @@ speed benchmarks (`quince bench --compare`) on a GPU. The weights are MLX's defa
 bf16, optionally affine-quantized (group 64) through mlx-lm's own quantize_model, and saved with
 mlx-lm's save_model/save_config, so both engines load exactly the same files.
 
-Usage: python tests/bench/make_gemma4_checkpoint.py --dims e4b --bits 4 --out DIR
+With --vision the checkpoint is a multimodal `gemma4` one built through mlx-vlm: the text model
+at --dims, the real Gemma 4 vision tower dimensions (bf16, not quantized, as mlx-vlm's convert
+leaves it), and the real special token ids.
+
+Usage: python tests/bench/make_gemma4_checkpoint.py --dims e4b --bits 4 [--vision] --out DIR
 """
 
 import argparse
@@ -70,13 +74,95 @@ def config_for(name: str) -> dict:
     }
 
 
+def vision_config(small: bool) -> dict:
+    """google/gemma-4 vision tower: 768 wide, 16 layers, 12 heads of 64, 16-px patches, 3×3 pool."""
+    return {
+        "model_type": "gemma4_vision",
+        "hidden_size": 64 if small else 768,
+        "intermediate_size": 128 if small else 3072,
+        "num_hidden_layers": 2 if small else 16,
+        "num_attention_heads": 2 if small else 12,
+        "num_key_value_heads": 2 if small else 12,
+        "head_dim": 32 if small else 64,
+        "global_head_dim": 32 if small else 64,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "position_embedding_size": 10240,
+        "default_output_length": 280,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100.0},
+        "standardize": False,
+        "use_clipped_linears": False,
+        "use_bidirectional_attention": "vision",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * (2 if small else 16),
+        "max_position_embeddings": 131072,
+    }
+
+
+def build_multimodal(name: str, bits: int, out: Path) -> None:
+    import mlx_vlm.utils
+    from mlx_vlm.models import gemma4 as vlm_gemma4
+    from mlx_vlm.quant_utils import quantize_model as vlm_quantize_model
+    from mlx_vlm.utils import skip_multimodal_module
+
+    text = config_for(name)
+    text["model_type"] = "gemma4_text"
+    text["use_bidirectional_attention"] = "vision"
+    config = {
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": vision_config(name == "small"),
+        "audio_config": None,
+        "vocab_size": text["vocab_size"],
+        "hidden_size": text["hidden_size"],
+        "image_token_id": 258880 if name != "small" else 4000,
+        "boi_token_id": 255999 if name != "small" else 4001,
+        "eoi_token_id": 258882 if name != "small" else 4002,
+        "audio_token_id": 258881 if name != "small" else 4003,
+        "video_token_id": 258884 if name != "small" else 4004,
+        "vision_soft_tokens_per_image": 280,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+    }
+    cfg = dict(config)
+    cfg["text_config"] = vlm_gemma4.TextConfig.from_dict(text)
+    cfg["vision_config"] = vlm_gemma4.VisionConfig.from_dict(config["vision_config"])
+    model = vlm_gemma4.Model(vlm_gemma4.ModelConfig.from_dict(cfg))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    if bits:
+        model_pred = model.quant_predicate
+
+        def predicate(path, module):
+            return False if skip_multimodal_module(path) else model_pred(path, module)
+
+        model, config = vlm_quantize_model(model, config, 64, bits, mode="affine", quant_predicate=predicate)
+    out.mkdir(parents=True, exist_ok=True)
+    mlx_vlm.utils.save_weights(out, model)
+    with open(out / "config.json", "w") as f:
+        import json
+
+        json.dump(config, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", choices=sorted(DIMS), default="e4b")
     parser.add_argument("--bits", type=int, default=4, help="0 keeps bf16")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--vision", action="store_true", help="a multimodal gemma4 checkpoint")
     args = parser.parse_args()
     start = time.perf_counter()
+    if args.vision:
+        build_multimodal(args.dims, args.bits, Path(args.out))
+        size = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
+        print(f"wrote {args.out} ({size / 2**30:.2f} GiB) in {time.perf_counter() - start:.1f} s")
+        return
     config = config_for(args.dims)
     model = Model(ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)

@@ -107,7 +107,14 @@ pub struct BenchArgs {
     /// Timed runs after a full-length warm-up; medians are reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Also run mlx-lm on the same checkpoint and prompt, and print both side by side.
+    /// Put this image before the prompt (TTFT then includes reading and encoding it).
+    #[arg(long)]
+    image: Option<PathBuf>,
+    /// Soft-token budget for --image.
+    #[arg(long, default_value_t = 280)]
+    max_soft_tokens: usize,
+    /// Also run the reference (mlx-lm; mlx-vlm with --image) on the same checkpoint and
+    /// prompt, and print both side by side.
     #[arg(long)]
     compare: bool,
     /// Python with mlx-lm installed, for --compare (default: .venv/bin/python, else python3).
@@ -383,18 +390,46 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         bail!("--prompt-tokens and --gen-tokens must be positive");
     }
     let model = load(&args.model)?;
-    let prompt = synthetic_prompt(args.prompt_tokens, model.vocab_size() as u32);
-    // Warm-up at full prompt length: kernels for every shape are built before timing.
-    {
+    let text = synthetic_prompt(args.prompt_tokens, model.vocab_size() as u32);
+    // One timed run. With --image, TTFT runs from reading the file to the first token:
+    // decoding, preprocessing, the vision tower, the prefill.
+    let run_once = |gen_tokens: usize| -> anyhow::Result<engine::generate::GenerationStats> {
+        let start = std::time::Instant::now();
+        let mut request = GenerateRequest::new(text.clone(), gen_tokens);
+        if let Some(image) = &args.image {
+            let features =
+                encode_images(model.as_ref(), std::slice::from_ref(image), args.max_soft_tokens)?;
+            let n = features[0].dim(0)? as usize;
+            let (Some(image_id), Some((boi, eoi))) = (model.image_token_id(), model.boi_eoi())
+            else {
+                bail!("this model has no vision tower");
+            };
+            let mut prompt = vec![2, boi];
+            prompt.extend(std::iter::repeat_n(image_id, n));
+            prompt.push(eoi);
+            prompt.extend_from_slice(&text);
+            request =
+                GenerateRequest { images: features, ..GenerateRequest::new(prompt, gen_tokens) };
+        }
+        let mut first = None;
         let mut caches = model.new_caches()?;
-        let warm = GenerateRequest::new(prompt.clone(), 4);
-        run_generation(model.as_ref(), &mut caches, &warm, |_| Flow::Continue)?;
-    }
+        let mut stats = run_generation(model.as_ref(), &mut caches, &request, |_| {
+            first.get_or_insert_with(std::time::Instant::now);
+            Flow::Continue
+        })?
+        .stats;
+        if let Some(first) = first {
+            stats.ttft_ms = first.duration_since(start).as_secs_f64() * 1e3;
+            stats.prefill_tok_s =
+                request.prompt.len() as f64 / first.duration_since(start).as_secs_f64();
+        }
+        Ok(stats)
+    };
+    // Warm-up at full prompt length: kernels for every shape are built before timing.
+    run_once(4)?;
     let mut runs = Vec::new();
     for _ in 0..args.repeats.max(1) {
-        let mut caches = model.new_caches()?;
-        let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
-        runs.push(run_generation(model.as_ref(), &mut caches, &request, |_| Flow::Continue)?.stats);
+        runs.push(run_once(args.gen_tokens)?);
     }
     let median = |f: fn(&engine::generate::GenerationStats) -> f64| {
         let mut v: Vec<f64> = runs.iter().map(f).collect();
@@ -425,8 +460,20 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             let venv = PathBuf::from(".venv/bin/python");
             if venv.exists() { venv } else { PathBuf::from("python3") }
         });
-        let output = std::process::Command::new(&python)
-            .arg(&args.reference_script)
+        let mut command = std::process::Command::new(&python);
+        match &args.image {
+            Some(image) => {
+                command
+                    .arg("tests/bench/mlx_vlm_image.py")
+                    .arg("--image")
+                    .arg(image)
+                    .args(["--max-soft-tokens", &args.max_soft_tokens.to_string()]);
+            }
+            None => {
+                command.arg(&args.reference_script);
+            }
+        }
+        let output = command
             .arg("--model")
             .arg(&args.model)
             .args(["--prompt-tokens", &args.prompt_tokens.to_string()])
@@ -437,12 +484,12 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
                 format!("running {} {}", python.display(), args.reference_script.display())
             })?;
         if !output.status.success() {
-            bail!("the mlx-lm benchmark failed: {}", String::from_utf8_lossy(&output.stderr));
+            bail!("the reference benchmark failed: {}", String::from_utf8_lossy(&output.stderr));
         }
         let stdout = String::from_utf8_lossy(&output.stdout);
         let reference: serde_json::Value =
             serde_json::from_str(stdout.lines().last().unwrap_or_default())
-                .context("parsing the mlx-lm benchmark's JSON")?;
+                .context("parsing the reference benchmark's JSON")?;
         if args.json {
             writeln!(
                 out,
@@ -453,13 +500,15 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         }
         writeln!(
             out,
-            "{} · prompt {} tokens · {} generated · {}",
+            "{} · prompt {} tokens{} · {} generated · {}",
             args.model.display(),
-            args.prompt_tokens,
+            s.prompt_tokens,
+            if args.image.is_some() { " (image included)" } else { "" },
             args.gen_tokens,
             mlx::Backend::current().name()
         )?;
-        writeln!(out, "{:<22} {:>14} {:>14} {:>10}", "", "quince", "mlx-lm", "ratio")?;
+        let reference_name = if args.image.is_some() { "mlx-vlm" } else { "mlx-lm" };
+        writeln!(out, "{:<22} {:>14} {:>14} {:>10}", "", "quince", reference_name, "ratio")?;
         for (key, label, higher_better) in [
             ("ttft_ms", "TTFT (ms)", false),
             ("prefill_tok_s", "prefill (tok/s)", true),
@@ -475,7 +524,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         writeln!(out, "ratio > 1: quince is better · medians of {} runs", args.repeats)?;
         writeln!(
             out,
-            "decode tok/s per run: quince {} · mlx-lm {}",
+            "decode tok/s per run: quince {} · {reference_name} {}",
             ours["decode_tok_s_runs"], reference["decode_tok_s_runs"]
         )?;
         return Ok(());
