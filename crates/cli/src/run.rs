@@ -159,22 +159,7 @@ fn expand_images(tokens: &[u32], model: &dyn Model, counts: &[usize]) -> anyhow:
     let (Some(image), Some((boi, eoi))) = (model.image_token_id(), model.boi_eoi()) else {
         bail!("this model has no vision tower");
     };
-    let mut out = Vec::with_capacity(tokens.len() + counts.iter().sum::<usize>());
-    let mut next = counts.iter();
-    for &t in tokens {
-        out.push(t);
-        if t == boi {
-            let Some(&n) = next.next() else {
-                bail!("the chat template placed more images than were given")
-            };
-            out.extend(std::iter::repeat_n(image, n));
-            out.push(eoi);
-        }
-    }
-    if next.next().is_some() {
-        bail!("the chat template placed fewer images than were given (no begin-of-image token)");
-    }
-    Ok(out)
+    Ok(engine::vision::gemma4::expand_image_tokens(tokens, image, boi, eoi, counts)?)
 }
 
 fn load(path: &PathBuf) -> anyhow::Result<Box<dyn Model>> {

@@ -74,3 +74,59 @@ pub fn preprocess(image: &RgbImage, max_soft_tokens: usize) -> Result<PreparedIm
     let soft_tokens = ((height / (PATCH * POOL)) * (width / (PATCH * POOL))) as usize;
     Ok(PreparedImage { pixels, height, width, soft_tokens, resized })
 }
+
+/// Expands a rendered prompt for its images: after the i-th begin-of-image token `boi` (which
+/// the chat template writes once per image part) come `image × counts[i]` and `eoi`. Errors
+/// when the template placed a different number of images than were given.
+pub fn expand_image_tokens(
+    tokens: &[u32],
+    image: u32,
+    boi: u32,
+    eoi: u32,
+    counts: &[usize],
+) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(tokens.len() + counts.iter().sum::<usize>() + counts.len());
+    let mut next = counts.iter();
+    for &t in tokens {
+        out.push(t);
+        if t == boi {
+            let Some(&n) = next.next() else {
+                return Err(Error::InvalidRequest(
+                    "the chat template placed more images than were given".into(),
+                ));
+            };
+            out.extend(std::iter::repeat_n(image, n));
+            out.push(eoi);
+        }
+    }
+    if next.next().is_some() {
+        return Err(Error::InvalidRequest(format!(
+            "{} images were given but the chat template placed fewer (no begin-of-image token)",
+            counts.len()
+        )));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_sizes_follow_the_reference() {
+        // engine.md §2.2: 640×480 at 280 → 912×672, 266 soft tokens.
+        assert_eq!(target_size(640, 480, 280), (912, 672));
+        // A side that rounds to nothing: one cell, the other capped at the budget.
+        assert_eq!(target_size(4000, 20, 70), (3360, 48));
+        assert_eq!(target_size(1, 1, 70), (384, 384));
+    }
+
+    #[test]
+    fn image_tokens_expand_after_each_begin_of_image() {
+        let out = expand_image_tokens(&[2, 7, 9, 8, 9, 3], 5, 9, 10, &[2, 1]).unwrap();
+        assert_eq!(out, vec![2, 7, 9, 5, 5, 10, 8, 9, 5, 10, 3]);
+        assert!(expand_image_tokens(&[2, 9, 9], 5, 9, 10, &[1]).is_err(), "two slots, one image");
+        assert!(expand_image_tokens(&[2, 3], 5, 9, 10, &[1]).is_err(), "no slot for the image");
+        assert_eq!(expand_image_tokens(&[2, 3], 5, 9, 10, &[]).unwrap(), vec![2, 3]);
+    }
+}
