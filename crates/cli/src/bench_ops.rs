@@ -101,7 +101,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn default_python() -> PathBuf {
+/// The project venv's interpreter when present, else `python3` (the GPU machine's).
+pub fn default_python() -> PathBuf {
     let venv = PathBuf::from(".venv/bin/python");
     if venv.exists() { venv } else { PathBuf::from("python3") }
 }

@@ -441,10 +441,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     if args.compare {
         drop(model);
-        let python = args.python.clone().unwrap_or_else(|| {
-            let venv = PathBuf::from(".venv/bin/python");
-            if venv.exists() { venv } else { PathBuf::from("python3") }
-        });
+        let python = args.python.clone().unwrap_or_else(crate::bench_ops::default_python);
         let mut command = std::process::Command::new(&python);
         match &args.image {
             Some(image) => {

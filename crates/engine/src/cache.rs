@@ -203,6 +203,18 @@ pub(crate) fn check_append(keys: &Array, values: &Array, decode: bool) -> Result
     Ok(length)
 }
 
+/// Bytes one position of `[B, H, N, D]` keys and values takes for one row (0 before any).
+pub(crate) fn bytes_per_position(keys: Option<&Array>, values: Option<&Array>) -> usize {
+    let per = |a: &Array| {
+        let s = a.shape();
+        (s[1] * s[3]) as usize * a.dtype().size()
+    };
+    match (keys, values) {
+        (Some(k), Some(v)) => per(k) + per(v),
+        _ => 0,
+    }
+}
+
 pub(crate) fn state_of(signature: String, offset: usize, keys: Array, values: Array) -> CacheState {
     let mut state = CacheState::default();
     state.tensors.insert("keys".into(), keys);

@@ -92,16 +92,7 @@ impl Cache for RotatingCache {
     }
 
     fn bytes_per_token(&self) -> usize {
-        match (&self.keys, &self.values) {
-            (Some(k), Some(v)) => {
-                let per = |a: &Array| {
-                    let s = a.shape();
-                    (s[1] * s[3]) as usize * a.dtype().size()
-                };
-                per(k) + per(v)
-            }
-            _ => 0,
-        }
+        super::bytes_per_position(self.keys.as_ref(), self.values.as_ref())
     }
 
     fn state(&self) -> Result<CacheState> {

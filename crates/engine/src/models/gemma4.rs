@@ -651,7 +651,88 @@ impl Mlp {
 }
 
 impl Gemma4Text {
-    fn caches(&self) -> Result<Vec<Box<dyn AttentionCache>>> {
+    /// The decoder over embeddings `h` `[1, T, H]`; `ple_ids` are the ids the per-layer token
+    /// embeddings read.
+    fn run(
+        &self,
+        ple_ids: &Array,
+        mut h: Array,
+        caches: &mut [Box<dyn AttentionCache>],
+        append: &Append<'_>,
+        rows: Rows,
+    ) -> Result<Array> {
+        if caches.len() != self.first_shared {
+            return Err(Error::InvalidRequest(format!(
+                "Gemma 4 needs {} caches, got {}",
+                self.first_shared,
+                caches.len()
+            )));
+        }
+        let offset = caches.first().map_or(0, |c| c.offset()) as i32;
+        let per_layer = match &self.ple {
+            Some(ple) => Some(self.per_layer_inputs(ple, ple_ids, &h)?),
+            None => None,
+        };
+        let mut per_layer = per_layer;
+        let mut offset = offset;
+        let length = h.dim(1)?;
+        // With only the last row wanted, the last layer that writes a cache takes keys and
+        // values from every row but queries from the last one; from there on only that row
+        // flows (KV-sharing layers, the head).
+        let trim_at =
+            if rows == Rows::Last && length > 1 { Some(self.first_shared - 1) } else { None };
+        let mut reads: Vec<Option<AttentionRead>> = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut query_rows = h.dim(1)?;
+            if trim_at == Some(i) {
+                query_rows = 1;
+            }
+            let rope = if layer.attention.sliding { &self.rope_sliding } else { &self.rope_full };
+            let cache = if i < self.first_shared { caches.get_mut(i) } else { None };
+            let shared = if i >= self.first_shared {
+                reads.get(self.kv_source[i]).and_then(Option::as_ref)
+            } else {
+                None
+            };
+            let normed = layer.input_layernorm.forward(&h)?;
+            let (attn, own) = layer
+                .attention
+                .forward(&normed, query_rows, rope, offset, cache, shared, append)?;
+            reads.push(own);
+            if trim_at == Some(i) {
+                (h, per_layer) = last_rows(&h, per_layer.as_ref())?;
+                offset += length - 1;
+            }
+            h = h.add(&layer.post_attention_layernorm.forward(&attn)?)?;
+            let ff = layer
+                .mlp
+                .forward(&layer.pre_feedforward_layernorm.forward(&h)?, &self.activations)?;
+            h = h.add(&layer.post_feedforward_layernorm.forward(&ff)?)?;
+            if let (Some(pl), Some(inputs)) = (&layer.per_layer, &per_layer) {
+                let s = inputs.shape();
+                let li = i as i32;
+                let slice = inputs
+                    .slice(&[0, 0, li, 0], &[s[0], s[1], li + 1, s[3]], &[1, 1, 1, 1])?
+                    .squeeze(&[2])?;
+                let gate = self.activations.geglu(&pl.gate.forward(&h)?, &slice)?;
+                h = h.add(&pl.post_norm.forward(&pl.projection.forward(&gate)?)?)?;
+            }
+            h = h.multiply(&layer.layer_scalar)?;
+        }
+        let h = self.norm.forward(&h)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => self.embed_tokens.as_linear(&h)?,
+        };
+        match &self.constants.softcap {
+            Some(c) => Ok(logits.divide(c)?.tanh()?.multiply(c)?),
+            None => Ok(logits),
+        }
+    }
+}
+
+impl Model for Gemma4Text {
+    fn new_caches(&self) -> Result<Vec<Box<dyn AttentionCache>>> {
         (0..self.first_shared)
             .map(|i| -> Result<Box<dyn AttentionCache>> {
                 if self.config.layer_types[i] == "sliding_attention" {
@@ -745,125 +826,6 @@ impl Gemma4Text {
 
     fn boi_eoi(&self) -> Option<(u32, u32)> {
         self.boi_eoi
-    }
-}
-
-impl Gemma4Text {
-    /// The decoder over embeddings `h` `[1, T, H]`; `ple_ids` are the ids the per-layer token
-    /// embeddings read.
-    fn run(
-        &self,
-        ple_ids: &Array,
-        mut h: Array,
-        caches: &mut [Box<dyn AttentionCache>],
-        append: &Append<'_>,
-        rows: Rows,
-    ) -> Result<Array> {
-        if caches.len() != self.first_shared {
-            return Err(Error::InvalidRequest(format!(
-                "Gemma 4 needs {} caches, got {}",
-                self.first_shared,
-                caches.len()
-            )));
-        }
-        let offset = caches.first().map_or(0, |c| c.offset()) as i32;
-        let per_layer = match &self.ple {
-            Some(ple) => Some(self.per_layer_inputs(ple, ple_ids, &h)?),
-            None => None,
-        };
-        let mut per_layer = per_layer;
-        let mut offset = offset;
-        let length = h.dim(1)?;
-        // With only the last row wanted, the last layer that writes a cache takes keys and
-        // values from every row but queries from the last one; from there on only that row
-        // flows (KV-sharing layers, the head).
-        let trim_at =
-            if rows == Rows::Last && length > 1 { Some(self.first_shared - 1) } else { None };
-        let mut reads: Vec<Option<AttentionRead>> = Vec::with_capacity(self.layers.len());
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mut query_rows = h.dim(1)?;
-            if trim_at == Some(i) {
-                query_rows = 1;
-            }
-            let rope = if layer.attention.sliding { &self.rope_sliding } else { &self.rope_full };
-            let cache = if i < self.first_shared { caches.get_mut(i) } else { None };
-            let shared = if i >= self.first_shared {
-                reads.get(self.kv_source[i]).and_then(Option::as_ref)
-            } else {
-                None
-            };
-            let normed = layer.input_layernorm.forward(&h)?;
-            let (attn, own) = layer
-                .attention
-                .forward(&normed, query_rows, rope, offset, cache, shared, append)?;
-            reads.push(own);
-            if trim_at == Some(i) {
-                (h, per_layer) = last_rows(&h, per_layer.as_ref())?;
-                offset += length - 1;
-            }
-            h = h.add(&layer.post_attention_layernorm.forward(&attn)?)?;
-            let ff = layer
-                .mlp
-                .forward(&layer.pre_feedforward_layernorm.forward(&h)?, &self.activations)?;
-            h = h.add(&layer.post_feedforward_layernorm.forward(&ff)?)?;
-            if let (Some(pl), Some(inputs)) = (&layer.per_layer, &per_layer) {
-                let s = inputs.shape();
-                let li = i as i32;
-                let slice = inputs
-                    .slice(&[0, 0, li, 0], &[s[0], s[1], li + 1, s[3]], &[1, 1, 1, 1])?
-                    .squeeze(&[2])?;
-                let gate = self.activations.geglu(&pl.gate.forward(&h)?, &slice)?;
-                h = h.add(&pl.post_norm.forward(&pl.projection.forward(&gate)?)?)?;
-            }
-            h = h.multiply(&layer.layer_scalar)?;
-        }
-        let h = self.norm.forward(&h)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&h)?,
-            None => self.embed_tokens.as_linear(&h)?,
-        };
-        match &self.constants.softcap {
-            Some(c) => Ok(logits.divide(c)?.tanh()?.multiply(c)?),
-            None => Ok(logits),
-        }
-    }
-}
-
-impl Model for Gemma4Text {
-    fn new_caches(&self) -> Result<Vec<Box<dyn AttentionCache>>> {
-        self.caches()
-    }
-
-    fn forward_rows(
-        &self,
-        tokens: &Array,
-        caches: &mut [Box<dyn AttentionCache>],
-        phase: Phase,
-        rows: Rows,
-    ) -> Result<Array> {
-        Gemma4Text::forward_rows(self, tokens, caches, phase, rows)
-    }
-
-    fn forward_multimodal(
-        &self,
-        tokens: &[u32],
-        images: &[Array],
-        caches: &mut [Box<dyn AttentionCache>],
-        rows: Rows,
-    ) -> Result<Array> {
-        Gemma4Text::forward_multimodal(self, tokens, images, caches, rows)
-    }
-
-    fn encode_image(&self, pixels: &Array) -> Result<Array> {
-        Gemma4Text::encode_image(self, pixels)
-    }
-
-    fn image_token_id(&self) -> Option<u32> {
-        Gemma4Text::image_token_id(self)
-    }
-
-    fn boi_eoi(&self) -> Option<(u32, u32)> {
-        Gemma4Text::boi_eoi(self)
     }
 
     fn vocab_size(&self) -> usize {
