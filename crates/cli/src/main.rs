@@ -30,6 +30,8 @@ enum Command {
     Bench(run::BenchArgs),
     /// Print the MLX version, backend, devices and memory, and run a tiny matmul + attention.
     Doctor(doctor::Args),
+    /// Write the demo model (tiny, untrained Gemma 4 with vision) paired with a real tokenizer.
+    DemoModel(run::DemoArgs),
     /// Per-op overhead of this binding vs Python `mlx`, printed side by side.
     BenchOps(bench_ops::Args),
 }
@@ -40,6 +42,7 @@ fn main() -> anyhow::Result<()> {
         Command::Logits(args) => run::logits(&args),
         Command::Bench(args) => run::bench(&args),
         Command::Doctor(args) => doctor::run(&args),
+        Command::DemoModel(args) => run::demo_model(&args),
         Command::BenchOps(args) => bench_ops::run(&args),
     }
 }

@@ -239,3 +239,46 @@ fn image_prompts_through_the_cli_match_mlx_vlm() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("truncated.png"));
 }
+
+#[test]
+fn the_demo_model_chats_through_the_real_template_with_and_without_images() {
+    let dir = tempfile::tempdir().unwrap();
+    let demo = dir.path().join("demo");
+    let out = quince().args(["demo-model", "--out"]).arg(&demo).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let again = dir.path().join("again");
+    assert!(quince().args(["demo-model", "--out"]).arg(&again).status().unwrap().success());
+    assert_eq!(
+        std::fs::read(demo.join("model.safetensors")).unwrap(),
+        std::fs::read(again.join("model.safetensors")).unwrap(),
+        "the demo model is deterministic"
+    );
+    let size = std::fs::metadata(demo.join("model.safetensors")).unwrap().len();
+    assert!(size < 20 << 20, "small enough to ship: {size} bytes");
+
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut cmd = quince();
+        cmd.args(["generate", "--model"]).arg(&demo).args([
+            "--prompt",
+            "Describe this.",
+            "--system",
+            "Be brief.",
+        ]);
+        cmd.args(["--max-tokens", "6", "--ignore-eos", "--json"]).args(extra);
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    let text = run(&[]);
+    assert_eq!(text["token_ids"].as_array().unwrap().len(), 6);
+    // The template wraps the turn: <bos><start_of_turn>user\\nBe brief.\\n\\nDescribe this.<end_of_turn>\\n<start_of_turn>model\\n
+    assert!(text["prompt_tokens"].as_u64().unwrap() > 8);
+    let image = root().join("tests/golden/vision/images/rgb_640x480.png");
+    let with_image = run(&["--image", image.to_str().unwrap(), "--max-soft-tokens", "70"]);
+    assert_eq!(
+        with_image["prompt_tokens"].as_u64().unwrap(),
+        text["prompt_tokens"].as_u64().unwrap() + 1 + 63 + 1,
+        "the template writes <start_of_image>, expanded by 63 soft tokens (640×480 at 70) and <end_of_image>"
+    );
+}

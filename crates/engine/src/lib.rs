@@ -26,6 +26,7 @@
 
 pub mod cache;
 pub mod checkpoint;
+pub mod demo;
 mod error;
 pub mod generate;
 pub mod models;
