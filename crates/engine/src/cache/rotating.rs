@@ -69,6 +69,12 @@ impl RotatingCache {
         Ok(Some(ordered))
     }
 
+    /// A zeroed `[B, H, window, D]` buffer shaped like `like` on the other axes.
+    fn empty_like(&self, like: &Array) -> Result<Array> {
+        let s = like.shape();
+        Ok(ops::zeros(&[s[0], s[1], self.window as i32, s[3]], like.dtype())?)
+    }
+
     /// A `[B, H, window, D]` buffer holding `entries` (`[B, H, n, D]`, n <= window) at `0..n`.
     fn buffer_from(&self, entries: &Array) -> Result<Array> {
         let s = entries.shape();
@@ -165,18 +171,7 @@ impl AttentionCache for RotatingCache {
         check_append(keys, values, true)?;
         let (kbuf, vbuf) = match (&self.keys, &self.values) {
             (Some(k), Some(v)) => (k.clone(), v.clone()),
-            _ => (
-                self.buffer_from(&keys.slice(
-                    &[0, 0, 0, 0],
-                    &[keys.dim(0)?, keys.dim(1)?, 0, keys.dim(3)?],
-                    &[1, 1, 1, 1],
-                )?)?,
-                self.buffer_from(&values.slice(
-                    &[0, 0, 0, 0],
-                    &[values.dim(0)?, values.dim(1)?, 0, values.dim(3)?],
-                    &[1, 1, 1, 1],
-                )?)?,
-            ),
+            _ => (self.empty_like(keys)?, self.empty_like(values)?),
         };
         let at = self.cursor as i32;
         let (ks, vs) = (keys.shape(), values.shape());
