@@ -24,7 +24,8 @@ NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 .PHONY: help setup system-deps venv assets build run test test-rust lint golden-check fixtures bench-ops clean
 
 help:
-	@echo "make run        set up and launch (quince doctor until the app lands)"
+	@echo "make run        set up, run quince doctor, then chat once with the demo model"
+	@echo "                (PROMPT=\"…\" and IMAGE=path to change the message)"
 	@echo "make test       set up and run every test (fmt, clippy, docs, unit, integration, doc tests)"
 	@echo "make setup      only install what is missing: apt packages, .venv with pinned MLX"
 	@echo "make fixtures   regenerate the op fixtures (NumPy) and the Gemma 4 goldens (mlx-lm/mlx-vlm)"
@@ -67,8 +68,16 @@ $(VENV_STAMP): $(ALL_REQUIREMENTS)
 build: setup
 	$(CARGO) build --workspace --locked
 
+DEMO_MODEL := target/demo-model
+
+# Until the app lands: what MLX this machine runs, then a reply from the demo model.
 run: setup
-	$(CARGO) run --locked -p quince-cli -- doctor
+	$(CARGO) build --locked --release -p quince-cli
+	target/release/quince doctor
+	@test -f $(DEMO_MODEL)/model.safetensors || target/release/quince demo-model --out $(DEMO_MODEL)
+	target/release/quince generate --model $(DEMO_MODEL) --system "You are a helpful assistant." \
+	  --prompt "$(or $(PROMPT),Hello! What can you do?)" --max-tokens 48 \
+	  $(if $(IMAGE),--image $(IMAGE),)
 
 lint: setup
 	$(CARGO) fmt --all --check
