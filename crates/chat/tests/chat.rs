@@ -142,21 +142,32 @@ async fn images_are_attached_and_read_by_the_model() {
     assert_eq!(attachments[0].bytes as u64, std::fs::metadata(&image).unwrap().len());
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn failures_are_readable_and_leave_the_conversation_usable() {
-    let f = fixture();
-    let chat = Chat::open(&f.db).await.unwrap();
-    let c = chat.store().create_conversation("errors", None).await.unwrap().id;
-    // No model yet.
+/// Sends `text` (with `images`) and returns the stored reply and the failure message it streamed.
+async fn send_failing(
+    chat: &Chat,
+    c: i64,
+    text: &str,
+    images: &[PathBuf],
+) -> (store::Message, String) {
     let mut failure = String::new();
     let reply = chat
-        .send(c, "hi", &[], |e| {
+        .send(c, text, images, |e| {
             if let ReplyEvent::Failed { message } = e {
                 failure = message.clone();
             }
         })
         .await
         .unwrap();
+    (reply, failure)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failures_are_readable_and_leave_the_conversation_usable() {
+    let f = fixture();
+    let chat = Chat::open(&f.db).await.unwrap();
+    let c = chat.store().create_conversation("errors", None).await.unwrap().id;
+    // No model yet.
+    let (reply, failure) = send_failing(&chat, c, "hi", &[]).await;
     assert_eq!(reply.state, MessageState::Error);
     assert!(failure.contains("no model"), "{failure}");
     // A model folder that does not exist, then one that fails to load.
@@ -169,15 +180,7 @@ async fn failures_are_readable_and_leave_the_conversation_usable() {
     let (chat, c) = ready(&g, 4).await;
     // A bad image: the reply fails with the file named; nothing was generated.
     let bad = root().join("tests/golden/vision/images/bad/truncated.png");
-    let mut failure = String::new();
-    let reply = chat
-        .send(c, "look", &[bad], |e| {
-            if let ReplyEvent::Failed { message } = e {
-                failure = message.clone();
-            }
-        })
-        .await
-        .unwrap();
+    let (reply, failure) = send_failing(&chat, c, "look", &[bad]).await;
     assert_eq!(reply.state, MessageState::Error);
     assert!(failure.contains("truncated.png"), "{failure}");
     // Prompt plus reply over the context: refused up front.
@@ -185,15 +188,7 @@ async fn failures_are_readable_and_leave_the_conversation_usable() {
         .set_settings(c, &serde_json::json!({"temperature": 0.0, "max_tokens": 1_000_000}))
         .await
         .unwrap();
-    let mut failure = String::new();
-    let reply = chat
-        .send(c, "hi", &[], |e| {
-            if let ReplyEvent::Failed { message } = e {
-                failure = message.clone();
-            }
-        })
-        .await
-        .unwrap();
+    let (reply, failure) = send_failing(&chat, c, "hi", &[]).await;
     assert_eq!(reply.state, MessageState::Error);
     assert!(failure.contains("context limit"), "{failure}");
     // And the conversation goes on.

@@ -147,6 +147,14 @@ pub trait AttentionCache: Cache {
     ) -> Result<AttentionRead>;
 }
 
+/// Checks that a bidirectional append has one flag per new position.
+pub(crate) fn check_flags(flags: &[bool], length: usize) -> Result<()> {
+    if flags.len() != length {
+        return Err(Error::InvalidRequest(format!("{} flags for {length} positions", flags.len())));
+    }
+    Ok(())
+}
+
 /// Block id per position: the index of its run of consecutive `flags`, or −1.
 pub(crate) fn block_ids(flags: &[bool]) -> Vec<i32> {
     let mut ids = Vec::with_capacity(flags.len());

@@ -150,12 +150,7 @@ impl AttentionCache for PlainCache {
         flags: &[bool],
     ) -> Result<AttentionRead> {
         let length = check_append(keys, values, false)?;
-        if flags.len() != length {
-            return Err(Error::InvalidRequest(format!(
-                "{} flags for {length} positions",
-                flags.len()
-            )));
-        }
+        super::check_flags(flags, length)?;
         let mask = overlay_mask(self.offset, flags, None)?;
         let (k, v) = self.write(keys, values, length)?;
         Ok(AttentionRead::new(k, v, ReadMask::Array(mask)))

@@ -214,12 +214,7 @@ impl AttentionCache for RotatingCache {
         flags: &[bool],
     ) -> Result<AttentionRead> {
         let length = check_append(keys, values, false)?;
-        if flags.len() != length {
-            return Err(Error::InvalidRequest(format!(
-                "{} flags for {length} positions",
-                flags.len()
-            )));
-        }
+        super::check_flags(flags, length)?;
         self.append_span(keys, values, Some(flags))
     }
 }
