@@ -292,3 +292,53 @@ impl<'a> TextStream<'a> {
         &self.text
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(template: &str, messages: &[Message]) -> Result<String> {
+        use chrono::TimeZone;
+        let now = chrono::Local
+            .with_ymd_and_hms(2026, 11, 30, 9, 5, 0)
+            .single()
+            .ok_or_else(|| Error::InvalidRequest("bad test date".into()))?;
+        render_template(template, messages, true, Some("<s>"), Some("</s>"), &now)
+    }
+
+    #[test]
+    fn helpers_real_templates_use() {
+        let messages = [
+            Message::text("system", "  Be kind.  "),
+            Message::text("user", "hi"),
+            Message::text("assistant", "yo"),
+        ];
+        let template = concat!(
+            "{{ bos_token }}{{ strftime_now('%Y-%m-%d') }}|",
+            "{% for m in messages %}{% if m.role.startswith('sys') %}{{ m.content.strip() }}{% continue %}{% endif %}",
+            "[{{ m.role.upper() }}:{{ m.content | tojson }}]{% if loop.last %}{% break %}{% endif %}{% endfor %}",
+            "{% if add_generation_prompt %}>{% endif %}"
+        );
+        assert_eq!(
+            render(template, &messages).unwrap(),
+            "<s>2026-11-30|Be kind.[USER:\"hi\"][ASSISTANT:\"yo\"]>"
+        );
+    }
+
+    #[test]
+    fn raise_exception_is_an_error_with_its_message() {
+        let err = render("{{ raise_exception('roles must alternate') }}", &[]).unwrap_err();
+        assert!(err.to_string().contains("roles must alternate"), "{err}");
+        assert!(render("{% for %}", &[]).is_err(), "a broken template is an error, not a panic");
+    }
+
+    #[test]
+    fn image_parts_reach_the_template() {
+        let parts = Content::Parts(vec![Part::Image, Part::Text { text: "what?".into() }]);
+        let template = "{% for p in messages[0].content %}{% if p.type == 'image' %}<img>{% else %}{{ p.text }}{% endif %}{% endfor %}";
+        assert_eq!(
+            render(template, &[Message { role: "user".into(), content: parts }]).unwrap(),
+            "<img>what?"
+        );
+    }
+}
