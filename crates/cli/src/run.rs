@@ -166,6 +166,18 @@ fn load(path: &PathBuf) -> anyhow::Result<Box<dyn Model>> {
     models::load(path).with_context(|| format!("loading the model at {}", path.display()))
 }
 
+/// The speed fields `generate --json` and `bench --json` share.
+fn stats_json(s: &engine::generate::GenerationStats) -> serde_json::Value {
+    json!({
+        "prompt_tokens": s.prompt_tokens,
+        "generated_tokens": s.generated_tokens,
+        "ttft_ms": s.ttft_ms,
+        "prefill_tok_s": s.prefill_tok_s,
+        "decode_tok_s": s.decode_tok_s,
+        "peak_mem_bytes": s.peak_mem_bytes,
+    })
+}
+
 /// `quince generate`.
 pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let model = load(&args.model)?;
@@ -256,17 +268,10 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let text = stream.as_ref().map(|s| s.text().to_string()).unwrap_or_default();
     let s = &reply.stats;
     if json {
-        let line = json!({
-            "token_ids": reply.tokens,
-            "text": text,
-            "stop_reason": reply.stop_reason.as_str(),
-            "prompt_tokens": s.prompt_tokens,
-            "generated_tokens": s.generated_tokens,
-            "ttft_ms": s.ttft_ms,
-            "prefill_tok_s": s.prefill_tok_s,
-            "decode_tok_s": s.decode_tok_s,
-            "peak_mem_bytes": s.peak_mem_bytes,
-        });
+        let mut line = stats_json(s);
+        line["token_ids"] = json!(reply.tokens);
+        line["text"] = json!(text);
+        line["stop_reason"] = json!(reply.stop_reason.as_str());
         writeln!(out, "{line}")?;
     } else {
         writeln!(out)?;
@@ -429,15 +434,8 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         decode_tok_s: median(|s| s.decode_tok_s),
         peak_mem_bytes: median(|s| s.peak_mem_bytes as f64) as usize,
     };
-    let ours = json!({
-        "prompt_tokens": s.prompt_tokens,
-        "generated_tokens": s.generated_tokens,
-        "ttft_ms": s.ttft_ms,
-        "prefill_tok_s": s.prefill_tok_s,
-        "decode_tok_s": s.decode_tok_s,
-        "peak_mem_bytes": s.peak_mem_bytes,
-        "decode_tok_s_runs": runs.iter().map(|r| r.decode_tok_s).collect::<Vec<_>>(),
-    });
+    let mut ours = stats_json(s);
+    ours["decode_tok_s_runs"] = json!(runs.iter().map(|r| r.decode_tok_s).collect::<Vec<_>>());
     let mut out = std::io::stdout().lock();
     if args.compare {
         drop(model);

@@ -206,36 +206,34 @@ impl Store {
 
     /// Renames a conversation.
     pub async fn rename_conversation(&self, id: i64, title: &str) -> Result<()> {
-        self.update_conversation(id, "title", title).await
+        self.update_conversation(id, "title", Some(title)).await
     }
 
     /// Sets (or clears) the system prompt.
     pub async fn set_system_prompt(&self, id: i64, prompt: Option<&str>) -> Result<()> {
-        let done =
-            sqlx::query("UPDATE conversations SET system_prompt = ?, updated_at = ? WHERE id = ?")
-                .bind(prompt)
-                .bind(self.now())
-                .bind(id)
-                .execute(&self.pool)
-                .await?;
-        if done.rows_affected() == 0 {
-            return Err(Error::NotFound { what: "conversation", id });
-        }
-        Ok(())
+        self.update_conversation(id, "system_prompt", prompt).await
     }
 
     /// Replaces the settings JSON.
     pub async fn set_settings(&self, id: i64, settings: &serde_json::Value) -> Result<()> {
-        self.update_conversation(id, "settings", &settings.to_string()).await
+        self.update_conversation(id, "settings", Some(&settings.to_string())).await
     }
 
     /// Sets the model the conversation uses.
     pub async fn set_model(&self, id: i64, model_id: &str) -> Result<()> {
-        self.update_conversation(id, "model_id", model_id).await
+        self.update_conversation(id, "model_id", Some(model_id)).await
     }
 
-    async fn update_conversation(&self, id: i64, column: &'static str, value: &str) -> Result<()> {
+    async fn update_conversation(
+        &self,
+        id: i64,
+        column: &'static str,
+        value: Option<&str>,
+    ) -> Result<()> {
         let sql = match column {
+            "system_prompt" => {
+                "UPDATE conversations SET system_prompt = ?, updated_at = ? WHERE id = ?"
+            }
             "title" => "UPDATE conversations SET title = ?, updated_at = ? WHERE id = ?",
             "settings" => "UPDATE conversations SET settings = ?, updated_at = ? WHERE id = ?",
             "model_id" => "UPDATE conversations SET model_id = ?, updated_at = ? WHERE id = ?",
