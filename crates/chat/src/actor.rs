@@ -12,6 +12,7 @@ use engine::tokenizer::{Content, Message, Part, TextStream, Tokenizer};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Error, Result};
+use crate::view::ErrorKind;
 
 /// What a loaded model can do, for the UI.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -40,8 +41,7 @@ pub struct ReplyRequest {
 }
 
 /// What a reply emits while it is generated.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ReplyEvent {
     /// New text to append.
     Text {
@@ -67,12 +67,16 @@ pub enum ReplyEvent {
     Failed {
         /// A readable message.
         message: String,
+        /// What kind of failure.
+        kind: ErrorKind,
     },
 }
 
 enum Command {
     Load {
         path: PathBuf,
+        progress: mpsc::UnboundedSender<(String, u32, u32)>,
+        cancel: Arc<AtomicBool>,
         reply: oneshot::Sender<Result<ModelInfo>>,
     },
     Reply {
@@ -104,8 +108,8 @@ impl Engine {
                 let mut loaded: Option<Loaded> = None;
                 for command in inbox {
                     match command {
-                        Command::Load { path, reply } => {
-                            let result = load(&path);
+                        Command::Load { path, progress, cancel, reply } => {
+                            let result = load(&path, &progress, &cancel);
                             let _ = reply.send(
                                 result
                                     .as_ref()
@@ -120,6 +124,7 @@ impl Engine {
                             None => {
                                 let _ = events.send(ReplyEvent::Failed {
                                     message: "no model is loaded".into(),
+                                    kind: ErrorKind::ModelMissing,
                                 });
                             }
                             Some(model) => reply(model, &request, &events, &cancel),
@@ -131,11 +136,18 @@ impl Engine {
         Ok(Engine { commands })
     }
 
-    /// Loads the model at `path`, replacing the current one when it succeeds.
-    pub async fn load(&self, path: PathBuf) -> Result<ModelInfo> {
+    /// Loads the model at `path`, replacing the current one when it succeeds. Stages arrive on
+    /// `progress` as (stage, done, total); setting `cancel` stops between stages (the current
+    /// model stays).
+    pub async fn load(
+        &self,
+        path: PathBuf,
+        progress: mpsc::UnboundedSender<(String, u32, u32)>,
+        cancel: Arc<AtomicBool>,
+    ) -> Result<ModelInfo> {
         let (reply, answer) = oneshot::channel();
         self.commands
-            .send(Command::Load { path, reply })
+            .send(Command::Load { path, progress, cancel, reply })
             .map_err(|_| Error::Engine("the engine stopped".into()))?;
         answer.await.map_err(|_| Error::Engine("the engine stopped".into()))?
     }
@@ -155,10 +167,38 @@ impl Engine {
     }
 }
 
-fn load(path: &std::path::Path) -> Result<Loaded> {
+/// Load stages, in order.
+const LOAD_STAGES: [&str; 2] = ["Reading the weights", "Loading the tokenizer"];
+
+fn load(
+    path: &std::path::Path,
+    progress: &mpsc::UnboundedSender<(String, u32, u32)>,
+    cancel: &AtomicBool,
+) -> Result<Loaded> {
+    if !path.join("config.json").is_file() {
+        return Err(Error::ModelMissing(format!(
+            "no model at {}: the folder is gone or holds no config.json",
+            path.display()
+        )));
+    }
+    let total = LOAD_STAGES.len() as u32;
+    let stage = |i: usize| -> Result<()> {
+        if cancel.load(Ordering::SeqCst) {
+            return Err(Error::Cancelled);
+        }
+        let _ = progress.send((LOAD_STAGES[i].to_string(), i as u32, total));
+        Ok(())
+    };
+    stage(0)?;
     let model = models::load(path)?;
-    let tokenizer = Tokenizer::from_dir(path)?
-        .ok_or_else(|| Error::Invalid(format!("{} has no tokenizer.json", path.display())))?;
+    stage(1)?;
+    let tokenizer = Tokenizer::from_dir(path)?.ok_or_else(|| Error::Reported {
+        kind: ErrorKind::ModelLoad,
+        message: format!("{} has no tokenizer.json", path.display()),
+    })?;
+    if cancel.load(Ordering::SeqCst) {
+        return Err(Error::Cancelled);
+    }
     let info = ModelInfo {
         path: path.to_path_buf(),
         vision: model.image_token_id().is_some(),
@@ -178,6 +218,9 @@ fn reply(
         // Images first: a bad file fails here, before any prompt work.
         let mut features = Vec::new();
         for path in &request.images {
+            if model.image_token_id().is_none() {
+                return Err(Error::Invalid("this model does not take images".into()));
+            }
             let rgb = engine::vision::image::load_rgb(path)?;
             let prepared = engine::vision::gemma4::preprocess(&rgb, request.max_soft_tokens)?;
             features.push(model.encode_image(&prepared.pixels)?);
@@ -209,13 +252,26 @@ fn reply(
             prompt =
                 engine::vision::gemma4::expand_image_tokens(&prompt, image, boi, eoi, &counts)?;
         }
+        let limit = model.max_context();
+        if prompt.len() >= limit {
+            return Err(Error::Reported {
+                kind: ErrorKind::PromptTooLong,
+                message: format!(
+                    "This conversation is {} tokens long, more than the model's context of {limit} \
+                     tokens. Start a new chat, or edit an earlier message to shorten it.",
+                    prompt.len()
+                ),
+            });
+        }
+        // A reply may use the rest of the context, no more.
+        let max_tokens = request.max_tokens.min(limit - prompt.len());
         let mut stop_tokens = model.eos_token_ids();
         stop_tokens.extend_from_slice(loaded.tokenizer.stop_tokens());
         let generation = GenerateRequest {
             sampling: request.sampling.clone(),
             stop_tokens: stop_tokens.clone(),
             images: features,
-            ..GenerateRequest::new(prompt, request.max_tokens)
+            ..GenerateRequest::new(prompt, max_tokens)
         };
         let mut caches = model.new_caches()?;
         let mut stream = TextStream::new(&loaded.tokenizer, Vec::new());
@@ -243,6 +299,6 @@ fn reply(
         Ok(())
     })();
     if let Err(error) = outcome {
-        let _ = events.send(ReplyEvent::Failed { message: error.to_string() });
+        let _ = events.send(ReplyEvent::Failed { message: error.to_string(), kind: error.kind() });
     }
 }

@@ -1,69 +1,334 @@
 //! The one command surface every front end (the Tauri app, the CLI, a future local server)
 //! uses: conversations in the [`store`], replies from the [`engine`] running on its own actor
-//! thread ([`Engine`]), joined here.
+//! thread ([`Engine`]), the model [`library`], joined here. Every value a front end receives is
+//! one of the [`view`] types, whose TypeScript declarations are generated.
 //!
 //! A reply is written to the store while it streams (every few pieces, and at the end with its
 //! statistics), so a crash loses at most the last few tokens and the store marks it stopped.
 //! One reply per conversation runs at a time; [`Chat::stop`] ends it after the current token.
+//!
+//! Images are imported first ([`Chat::import_attachment`]): checked to decode, then copied into
+//! the app's attachment folder under their SHA-256, so a message keeps its images even when the
+//! user's original file moves.
 
 #![deny(missing_docs)]
 
 mod actor;
 mod error;
+pub mod library;
+pub mod view;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use actor::{Engine, ModelInfo, ReplyEvent, ReplyRequest};
 use engine::sampling::SamplingParams;
 pub use error::{Error, Result};
 use sha2::Digest;
 use store::{MessageState, Role, Store};
+use view::{
+    AttachmentView, BranchInfo, ConversationDetail, ConversationSummary, LoadEvent, LoadedModel,
+    ModelEntry, ModelSource, ModelsState, PendingAttachment, ReplyStats, Settings, StreamEvent,
+    ThreadMessage,
+};
 
 /// Titles longer than this are cut (at a character boundary) with an ellipsis.
 const TITLE_CHARS: usize = 48;
 /// A streaming reply is saved after this many new pieces.
 const SAVE_EVERY: usize = 8;
+/// The title of a conversation nobody has written in yet.
+const NEW_TITLE: &str = "New chat";
+/// Largest image accepted, bytes.
+pub const MAX_IMAGE_BYTES: usize = 50 << 20;
+/// The app setting holding the last model loaded.
+const LAST_MODEL: &str = "last_model";
 
-/// The app's state: the store, the engine, and the replies in flight.
+/// The app's state: the store, the engine, the library, and the replies in flight.
 #[derive(Debug, Clone)]
 pub struct Chat {
     store: Store,
     engine: Engine,
+    data_dir: PathBuf,
+    demo_model: Option<PathBuf>,
+    hf_cache: Option<PathBuf>,
     running: Arc<Mutex<HashMap<i64, Arc<AtomicBool>>>>,
+    loaded: Arc<Mutex<Option<LoadedModel>>>,
+    loading: Arc<Mutex<Option<Arc<AtomicBool>>>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Chat {
-    /// Opens the store at `db` and starts the engine thread.
-    pub async fn open(db: impl AsRef<Path>) -> Result<Chat> {
+    /// Opens (or creates) the app data in `data_dir`: `quince.sqlite3` and `attachments/`,
+    /// and starts the engine thread.
+    pub async fn open(data_dir: impl AsRef<Path>) -> Result<Chat> {
+        let data_dir = data_dir.as_ref().to_path_buf();
+        std::fs::create_dir_all(data_dir.join("attachments")).map_err(|e| {
+            Error::Invalid(format!("cannot create the data folder {}: {e}", data_dir.display()))
+        })?;
         Ok(Chat {
-            store: Store::open(db).await?,
+            store: Store::open(data_dir.join("quince.sqlite3")).await?,
             engine: Engine::start()?,
+            data_dir,
+            demo_model: None,
+            hf_cache: library::hf_cache_dir(),
             running: Arc::default(),
+            loaded: Arc::default(),
+            loading: Arc::default(),
         })
     }
 
-    /// The store, for plain reads and edits (list, rename, delete, search).
+    /// Sets the demo model folder shipped with the app (listed first, the default when no
+    /// other model was used).
+    pub fn with_demo_model(mut self, path: PathBuf) -> Chat {
+        self.demo_model = Some(path);
+        self
+    }
+
+    /// Sets the Hugging Face cache folder to scan (default: [`library::hf_cache_dir`]);
+    /// `None` scans nothing.
+    pub fn with_hf_cache(mut self, dir: Option<PathBuf>) -> Chat {
+        self.hf_cache = dir;
+        self
+    }
+
+    /// The store, for plain reads and edits.
     pub fn store(&self) -> &Store {
         &self.store
     }
 
-    /// Loads a model folder into the engine.
-    pub async fn load_model(&self, path: PathBuf) -> Result<ModelInfo> {
-        self.engine.load(path).await
+    /// Where the database and the attachments live.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
     }
 
-    /// Adds a user message (with image files) under the conversation's current tip and
-    /// generates the reply, streaming its events to `on_event`. Returns the reply as stored.
+    /// The folder of imported images.
+    pub fn attachments_dir(&self) -> PathBuf {
+        self.data_dir.join("attachments")
+    }
+
+    // ---- conversations ----
+
+    /// Conversations, most recent first; with a query, those whose title or messages hold it.
+    pub async fn conversations(&self, query: Option<&str>) -> Result<Vec<ConversationSummary>> {
+        let rows = match query.map(str::trim).filter(|q| !q.is_empty()) {
+            Some(q) => self.store.search(q).await?,
+            None => self.store.conversations().await?,
+        };
+        Ok(rows
+            .into_iter()
+            .map(|c| ConversationSummary {
+                id: c.id,
+                title: c.title,
+                model_id: c.model_id,
+                updated_at: c.updated_at,
+            })
+            .collect())
+    }
+
+    /// A new, empty conversation with default settings.
+    pub async fn create_conversation(&self) -> Result<ConversationDetail> {
+        let model = lock(&self.loaded).as_ref().map(|m| m.name.clone());
+        let c = self.store.create_conversation(NEW_TITLE, model.as_deref()).await?;
+        let settings = serde_json::to_value(Settings::default()).unwrap_or_default();
+        self.store.set_settings(c.id, &settings).await?;
+        self.conversation(c.id).await
+    }
+
+    /// A conversation with its current branch.
+    pub async fn conversation(&self, id: i64) -> Result<ConversationDetail> {
+        let c = self.store.conversation(id).await?;
+        let mut messages = Vec::new();
+        if let Some(leaf) = c.current_leaf_id {
+            for m in self.store.path_to(leaf).await? {
+                messages.push(self.thread_message(m).await?);
+            }
+        }
+        Ok(ConversationDetail {
+            id: c.id,
+            title: c.title,
+            model_id: c.model_id,
+            system_prompt: c.system_prompt.unwrap_or_default(),
+            settings: settings_of(&c.settings),
+            messages,
+        })
+    }
+
+    /// Renames a conversation.
+    pub async fn rename(&self, id: i64, title: &str) -> Result<()> {
+        let title = title.trim();
+        if title.is_empty() {
+            return Err(Error::Invalid("a title cannot be empty".into()));
+        }
+        Ok(self.store.rename_conversation(id, title).await?)
+    }
+
+    /// Deletes a conversation, its messages, and the image files no other message uses.
+    pub async fn delete(&self, id: i64) -> Result<()> {
+        if lock(&self.running).contains_key(&id) {
+            return Err(Error::Busy("stop the reply before deleting the conversation".into()));
+        }
+        let files = self.store.conversation_attachment_paths(id).await?;
+        self.store.delete_conversation(id).await?;
+        for file in files {
+            if self.store.attachment_references(&file).await? == 0 {
+                let _ = std::fs::remove_file(self.attachments_dir().join(&file));
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the system prompt ("" clears it).
+    pub async fn set_system_prompt(&self, id: i64, prompt: &str) -> Result<()> {
+        let prompt = Some(prompt).filter(|p| !p.trim().is_empty());
+        Ok(self.store.set_system_prompt(id, prompt).await?)
+    }
+
+    /// Sets the sampling settings.
+    pub async fn set_settings(&self, id: i64, settings: &Settings) -> Result<()> {
+        if !(0.0..=5.0).contains(&settings.temperature)
+            || !(0.0..=1.0).contains(&settings.top_p)
+            || settings.max_tokens == 0
+        {
+            return Err(Error::Invalid(
+                "temperature must be 0–5, top-p 0–1, and max tokens at least 1".into(),
+            ));
+        }
+        let value = serde_json::to_value(settings).unwrap_or_default();
+        Ok(self.store.set_settings(id, &value).await?)
+    }
+
+    /// Shows the branch through `message` (one of a `‹ 2/3 ›` set): its newest leaf becomes
+    /// the conversation's tip.
+    pub async fn switch_branch(&self, message: i64) -> Result<ConversationDetail> {
+        let m = self.store.message(message).await?;
+        let leaf = self.store.latest_leaf(message).await?;
+        self.store.set_current_leaf(m.conversation_id, leaf).await?;
+        self.conversation(m.conversation_id).await
+    }
+
+    async fn thread_message(&self, m: store::Message) -> Result<ThreadMessage> {
+        let siblings: Vec<i64> = self
+            .store
+            .children(m.conversation_id, m.parent_id)
+            .await?
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        let index = siblings.iter().position(|&s| s == m.id).unwrap_or(0) as u32;
+        let attachments = self
+            .store
+            .attachments(m.id)
+            .await?
+            .into_iter()
+            .map(|a| AttachmentView { file: a.path, mime: a.mime, bytes: a.bytes as u64 })
+            .collect();
+        let error = m.stats.as_ref().and_then(|s| s.get("error")).map(|e| match e.as_str() {
+            Some(text) => text.to_string(),
+            None => e.to_string(),
+        });
+        let stats = m.stats.and_then(|s| serde_json::from_value::<ReplyStats>(s).ok());
+        Ok(ThreadMessage {
+            id: m.id,
+            parent_id: m.parent_id,
+            role: m.role,
+            content: m.content,
+            state: m.state,
+            stats,
+            error,
+            attachments,
+            branch: BranchInfo { index, count: siblings.len() as u32, siblings },
+            created_at: m.created_at,
+        })
+    }
+
+    // ---- attachments ----
+
+    /// Checks that `bytes` are an image the engine can read, and copies them into the
+    /// attachment folder as `<sha256>.<ext>`.
+    pub async fn import_attachment(&self, bytes: &[u8], name: &str) -> Result<PendingAttachment> {
+        if bytes.len() > MAX_IMAGE_BYTES {
+            return Err(Error::BadImage(format!(
+                "{name} is {} MB; images up to {} MB are accepted",
+                bytes.len() >> 20,
+                MAX_IMAGE_BYTES >> 20
+            )));
+        }
+        let rgb = engine::vision::image::decode_rgb(bytes).map_err(|e| {
+            Error::BadImage(format!("{name} is not an image Quince can read ({e})"))
+        })?;
+        let (mime, ext) = match image_format(bytes) {
+            Some(format) => format,
+            None => {
+                return Err(Error::BadImage(format!(
+                    "{name} is not a PNG, JPEG, WebP, GIF or BMP image"
+                )));
+            }
+        };
+        let sha: String = sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect();
+        let file = format!("{sha}.{ext}");
+        let path = self.attachments_dir().join(&file);
+        if !path.is_file() {
+            // Write then rename, so a crash never leaves a half file under the final name.
+            let partial = self.attachments_dir().join(format!("{file}.partial"));
+            std::fs::write(&partial, bytes)
+                .and_then(|()| std::fs::rename(&partial, &path))
+                .map_err(|e| Error::Invalid(format!("cannot save {name}: {e}")))?;
+        }
+        Ok(PendingAttachment {
+            file,
+            mime: mime.into(),
+            bytes: bytes.len() as u64,
+            width: rgb.width(),
+            height: rgb.height(),
+            name: name.to_string(),
+        })
+    }
+
+    fn attachment_path(&self, file: &str) -> Result<PathBuf> {
+        let plain = !file.is_empty()
+            && file.chars().all(|c| c.is_ascii_alphanumeric() || c == '.')
+            && !file.starts_with('.');
+        let path = self.attachments_dir().join(file);
+        if !plain || !path.is_file() {
+            return Err(Error::BadImage(format!(
+                "the attachment {file} is missing; attach the image again"
+            )));
+        }
+        Ok(path)
+    }
+
+    // ---- replies ----
+
+    fn require_model(&self, images: usize) -> Result<LoadedModel> {
+        let loaded = lock(&self.loaded).clone().ok_or_else(|| {
+            Error::ModelMissing("No model is loaded. Pick one in the model library.".into())
+        })?;
+        if images > 0 && !loaded.vision {
+            return Err(Error::Invalid(format!("{} does not take images", loaded.name)));
+        }
+        Ok(loaded)
+    }
+
+    /// Adds a user message (with imported images, see [`Chat::import_attachment`]) under the
+    /// conversation's current tip and generates the reply, streaming [`StreamEvent`]s. Returns
+    /// the stored reply. Nothing is stored when no model is loaded or an image is missing.
     pub async fn send(
         &self,
         conversation: i64,
         text: &str,
-        images: &[PathBuf],
-        on_event: impl FnMut(&ReplyEvent),
-    ) -> Result<store::Message> {
+        files: &[String],
+        mut on_event: impl FnMut(StreamEvent),
+    ) -> Result<ThreadMessage> {
+        let model = self.require_model(files.len())?;
+        if text.trim().is_empty() && files.is_empty() {
+            return Err(Error::Invalid("the message is empty".into()));
+        }
+        let paths = files.iter().map(|f| self.attachment_path(f)).collect::<Result<Vec<_>>>()?;
         let chat = self.store.conversation(conversation).await?;
         let user = self
             .store
@@ -75,64 +340,55 @@ impl Chat {
                 MessageState::Complete,
             )
             .await?;
-        for (position, path) in images.iter().enumerate() {
-            let data = std::fs::read(path).map_err(|e| {
-                Error::Invalid(format!("cannot read the image {}: {e}", path.display()))
-            })?;
-            let digest = sha2::Sha256::digest(&data);
-            let sha256: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-            let mime = match path
-                .extension()
-                .and_then(|e| e.to_str())
-                .map(str::to_ascii_lowercase)
-                .as_deref()
-            {
-                Some("jpg" | "jpeg") => "image/jpeg",
-                Some("webp") => "image/webp",
-                Some("gif") => "image/gif",
-                Some("bmp") => "image/bmp",
-                _ => "image/png",
-            };
+        for (position, (file, path)) in files.iter().zip(&paths).enumerate() {
+            let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+            let mime = mime_of(file);
+            let sha = file.split('.').next().unwrap_or_default();
             self.store
-                .add_attachment(
-                    user.id,
-                    &path.to_string_lossy(),
-                    mime,
-                    data.len() as i64,
-                    &sha256,
-                    position as i64,
-                )
+                .add_attachment(user.id, file, mime, bytes as i64, sha, position as i64)
                 .await?;
         }
-        if chat.title.is_empty() || chat.title == "New chat" {
+        if chat.title.is_empty() || chat.title == NEW_TITLE {
             self.store.rename_conversation(conversation, &title_from(text)).await?;
         }
-        self.reply_to(conversation, user.id, on_event).await
+        self.store.set_model(conversation, &model.name).await?;
+        let user = self.thread_message(self.store.message(user.id).await?).await?;
+        self.reply_to(conversation, user.id, Some(user), &mut on_event).await
     }
 
     /// A new reply to the same user message as `reply` (a sibling branch).
     pub async fn regenerate(
         &self,
         reply: i64,
-        on_event: impl FnMut(&ReplyEvent),
-    ) -> Result<store::Message> {
+        mut on_event: impl FnMut(StreamEvent),
+    ) -> Result<ThreadMessage> {
         let old = self.store.message(reply).await?;
+        if old.role != Role::Assistant {
+            return Err(Error::Invalid("only replies can be regenerated".into()));
+        }
         let parent = old
             .parent_id
             .ok_or_else(|| Error::Invalid("the first message has nothing to answer".into()))?;
-        self.reply_to(old.conversation_id, parent, on_event).await
+        self.require_model(self.store.attachments(parent).await?.len())?;
+        self.reply_to(old.conversation_id, parent, None, &mut on_event).await
     }
 
-    /// Replaces a user message by a new version (a sibling branch) and answers it.
+    /// Replaces a user message by a new version (a sibling branch, keeping its images) and
+    /// answers it.
     pub async fn edit(
         &self,
         message: i64,
         text: &str,
-        on_event: impl FnMut(&ReplyEvent),
-    ) -> Result<store::Message> {
+        mut on_event: impl FnMut(StreamEvent),
+    ) -> Result<ThreadMessage> {
         let old = self.store.message(message).await?;
         if old.role != Role::User {
             return Err(Error::Invalid("only user messages can be edited".into()));
+        }
+        let attachments = self.store.attachments(old.id).await?;
+        self.require_model(attachments.len())?;
+        if text.trim().is_empty() && attachments.is_empty() {
+            return Err(Error::Invalid("the message is empty".into()));
         }
         let edited = self
             .store
@@ -144,18 +400,18 @@ impl Chat {
                 MessageState::Complete,
             )
             .await?;
-        for a in self.store.attachments(old.id).await? {
+        for a in attachments {
             self.store
                 .add_attachment(edited.id, &a.path, &a.mime, a.bytes, &a.sha256, a.position)
                 .await?;
         }
-        self.reply_to(old.conversation_id, edited.id, on_event).await
+        let user = self.thread_message(self.store.message(edited.id).await?).await?;
+        self.reply_to(old.conversation_id, edited.id, Some(user), &mut on_event).await
     }
 
     /// Stops the conversation's reply in flight, if any (it is kept, marked stopped).
     pub fn stop(&self, conversation: i64) -> bool {
-        let running = self.running.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        match running.get(&conversation) {
+        match lock(&self.running).get(&conversation) {
             Some(flag) => {
                 flag.store(true, Ordering::SeqCst);
                 true
@@ -168,20 +424,21 @@ impl Chat {
         &self,
         conversation: i64,
         user: i64,
-        mut on_event: impl FnMut(&ReplyEvent),
-    ) -> Result<store::Message> {
+        user_view: Option<ThreadMessage>,
+        on_event: &mut impl FnMut(StreamEvent),
+    ) -> Result<ThreadMessage> {
         let cancel = Arc::new(AtomicBool::new(false));
         {
-            let mut running = self.running.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut running = lock(&self.running);
             if running.contains_key(&conversation) {
-                return Err(Error::Invalid(
+                return Err(Error::Busy(
                     "a reply is already being generated in this conversation".into(),
                 ));
             }
             running.insert(conversation, cancel.clone());
         }
-        let result = self.reply_inner(conversation, user, cancel, &mut on_event).await;
-        self.running.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).remove(&conversation);
+        let result = self.reply_inner(conversation, user, user_view, cancel, on_event).await;
+        lock(&self.running).remove(&conversation);
         result
     }
 
@@ -189,9 +446,10 @@ impl Chat {
         &self,
         conversation: i64,
         user: i64,
+        user_view: Option<ThreadMessage>,
         cancel: Arc<AtomicBool>,
-        on_event: &mut impl FnMut(&ReplyEvent),
-    ) -> Result<store::Message> {
+        on_event: &mut impl FnMut(StreamEvent),
+    ) -> Result<ThreadMessage> {
         let chat = self.store.conversation(conversation).await?;
         let mut messages = Vec::new();
         if let Some(system) = chat.system_prompt.as_deref().filter(|s| !s.trim().is_empty()) {
@@ -205,62 +463,218 @@ impl Chat {
             .attachments(user)
             .await?
             .into_iter()
-            .map(|a| PathBuf::from(a.path))
+            .map(|a| self.attachments_dir().join(a.path))
             .collect();
-        let settings = &chat.settings;
-        let number = |key: &str| settings.get(key).and_then(serde_json::Value::as_f64);
+        let settings = settings_of(&chat.settings);
         let request = ReplyRequest {
             messages,
             images,
             sampling: SamplingParams {
-                temperature: number("temperature").unwrap_or(0.7) as f32,
-                top_p: number("top_p").unwrap_or(1.0) as f32,
-                top_k: number("top_k").unwrap_or(0.0) as usize,
-                seed: number("seed").unwrap_or(0.0) as u64,
+                temperature: settings.temperature,
+                top_p: settings.top_p,
+                top_k: settings.top_k as usize,
+                seed: settings.seed,
                 ..SamplingParams::default()
             },
-            max_tokens: number("max_tokens").unwrap_or(1024.0) as usize,
-            max_soft_tokens: number("max_soft_tokens").unwrap_or(280.0) as usize,
+            max_tokens: settings.max_tokens as usize,
+            max_soft_tokens: settings.max_soft_tokens as usize,
         };
         let reply = self
             .store
             .append_message(conversation, Some(user), Role::Assistant, "", MessageState::Streaming)
             .await?;
+        let placeholder = self.thread_message(reply.clone()).await?;
+        on_event(StreamEvent::Started { user: user_view, reply: placeholder });
         let mut events = self.engine.reply(request, cancel)?;
         let mut text = String::new();
         let mut pending = 0;
         while let Some(event) = events.recv().await {
-            on_event(&event);
-            match &event {
+            match event {
                 ReplyEvent::Text { text: piece } => {
-                    text.push_str(piece);
+                    text.push_str(&piece);
+                    on_event(StreamEvent::Text { text: piece });
                     pending += 1;
                     if pending >= SAVE_EVERY {
                         self.store.update_reply(reply.id, &text).await?;
                         pending = 0;
                     }
                 }
-                ReplyEvent::Done { stop_reason, .. } => {
+                ReplyEvent::Done {
+                    stop_reason,
+                    prompt_tokens,
+                    generated_tokens,
+                    ttft_ms,
+                    decode_tok_s,
+                    peak_mem_bytes,
+                } => {
                     let state = if stop_reason == "stopped" {
                         MessageState::Stopped
                     } else {
                         MessageState::Complete
                     };
-                    let stats = serde_json::to_value(&event).unwrap_or_default();
+                    let stats = ReplyStats {
+                        stop_reason,
+                        prompt_tokens: prompt_tokens as u32,
+                        generated_tokens: generated_tokens as u32,
+                        ttft_ms,
+                        decode_tok_s,
+                        peak_mem_bytes: peak_mem_bytes as u64,
+                    };
+                    let stats = serde_json::to_value(&stats).unwrap_or_default();
                     self.store.finish_reply(reply.id, &text, state, Some(&stats)).await?;
-                    return Ok(self.store.message(reply.id).await?);
+                    let done = self.thread_message(self.store.message(reply.id).await?).await?;
+                    on_event(StreamEvent::Done { reply: done.clone() });
+                    return Ok(done);
                 }
-                ReplyEvent::Failed { message } => {
+                ReplyEvent::Failed { message, kind } => {
                     let stats = serde_json::json!({ "error": message });
                     self.store
                         .finish_reply(reply.id, &text, MessageState::Error, Some(&stats))
                         .await?;
-                    return Ok(self.store.message(reply.id).await?);
+                    let failed = self.thread_message(self.store.message(reply.id).await?).await?;
+                    on_event(StreamEvent::Failed { message: message.clone(), reply: Some(failed) });
+                    return Err(Error::Reported { kind, message });
                 }
             }
         }
         self.store.finish_reply(reply.id, &text, MessageState::Error, None).await?;
         Err(Error::Engine("the engine stopped in the middle of a reply".into()))
+    }
+
+    // ---- models ----
+
+    /// The library (demo model, added folders, the Hugging Face cache) and what is loaded.
+    pub async fn models(&self) -> Result<ModelsState> {
+        let mut models = Vec::new();
+        if let Some(demo) = &self.demo_model {
+            models.push(library::describe(demo, ModelSource::Demo, library::DEMO_NAME.into()));
+        }
+        for folder in self.store.model_folders().await? {
+            let path = PathBuf::from(&folder);
+            let name = library::display_name(&path);
+            models.push(library::describe(&path, ModelSource::Folder, name));
+        }
+        if let Some(cache) = &self.hf_cache {
+            for entry in library::scan_hf_cache(cache) {
+                if !models.iter().any(|m| m.path == entry.path) {
+                    models.push(entry);
+                }
+            }
+        }
+        let last = self.store.setting(LAST_MODEL).await?;
+        let usable = |path: &str| models.iter().any(|m| m.path == path && m.problem.is_none());
+        let default_model = last
+            .filter(|p| usable(p))
+            .or_else(|| models.iter().find(|m| m.problem.is_none()).map(|m| m.path.clone()));
+        Ok(ModelsState { loaded: lock(&self.loaded).clone(), models, default_model })
+    }
+
+    /// Adds a model folder to the library; refused (and not added) when it cannot be loaded.
+    pub async fn add_model_folder(&self, path: &Path) -> Result<ModelEntry> {
+        let entry = library::describe(path, ModelSource::Folder, library::display_name(path));
+        if let Some(problem) = &entry.problem {
+            return Err(Error::Reported {
+                kind: view::ErrorKind::ModelLoad,
+                message: format!("{} cannot be added: {problem}", path.display()),
+            });
+        }
+        self.store.add_model_folder(&entry.path).await?;
+        Ok(entry)
+    }
+
+    /// Removes a folder from the library (its files stay).
+    pub async fn remove_model_folder(&self, path: &str) -> Result<()> {
+        Ok(self.store.remove_model_folder(path).await?)
+    }
+
+    /// The model in the engine.
+    pub fn loaded(&self) -> Option<LoadedModel> {
+        lock(&self.loaded).clone()
+    }
+
+    /// Loads the model at `path` into the engine, reporting stages; [`Chat::cancel_load`]
+    /// stops it (the previous model stays). One load at a time.
+    pub async fn load_model(
+        &self,
+        path: &Path,
+        mut on_event: impl FnMut(LoadEvent),
+    ) -> Result<LoadedModel> {
+        let cancel = Arc::new(AtomicBool::new(false));
+        {
+            let mut loading = lock(&self.loading);
+            if loading.is_some() {
+                return Err(Error::Busy("a model is already loading".into()));
+            }
+            *loading = Some(cancel.clone());
+        }
+        let (progress, mut stages) = tokio::sync::mpsc::unbounded_channel();
+        let load = self.engine.load(path.to_path_buf(), progress, cancel);
+        tokio::pin!(load);
+        let result = loop {
+            tokio::select! {
+                result = &mut load => break result,
+                Some((stage, done, total)) = stages.recv() => {
+                    on_event(LoadEvent::Progress { stage, done, total });
+                }
+            }
+        };
+        *lock(&self.loading) = None;
+        let info = result?;
+        let model = LoadedModel {
+            path: info.path.to_string_lossy().into_owned(),
+            name: if self.demo_model.as_deref() == Some(path) {
+                library::DEMO_NAME.into()
+            } else {
+                library::display_name(path)
+            },
+            vision: info.vision,
+            max_context: info.max_context as u32,
+        };
+        *lock(&self.loaded) = Some(model.clone());
+        self.store.set_setting(LAST_MODEL, &model.path).await?;
+        on_event(LoadEvent::Done { model: model.clone() });
+        Ok(model)
+    }
+
+    /// Cancels the model load in progress; false when none is.
+    pub fn cancel_load(&self) -> bool {
+        match lock(&self.loading).as_ref() {
+            Some(flag) => {
+                flag.store(true, Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The settings stored as JSON, with defaults for what is missing or malformed.
+fn settings_of(value: &serde_json::Value) -> Settings {
+    serde_json::from_value(value.clone()).unwrap_or_default()
+}
+
+/// The MIME type and file extension of image bytes, from their magic number.
+fn image_format(bytes: &[u8]) -> Option<(&'static str, &'static str)> {
+    match bytes {
+        [0x89, b'P', b'N', b'G', ..] => Some(("image/png", "png")),
+        [0xFF, 0xD8, 0xFF, ..] => Some(("image/jpeg", "jpg")),
+        [b'R', b'I', b'F', b'F', _, _, _, _, b'W', b'E', b'B', b'P', ..] => {
+            Some(("image/webp", "webp"))
+        }
+        [b'G', b'I', b'F', b'8', ..] => Some(("image/gif", "gif")),
+        [b'B', b'M', ..] => Some(("image/bmp", "bmp")),
+        _ => None,
+    }
+}
+
+/// The MIME type of an attachment file name.
+fn mime_of(file: &str) -> &'static str {
+    match file.rsplit('.').next() {
+        Some("jpg") => "image/jpeg",
+        Some("webp") => "image/webp",
+        Some("gif") => "image/gif",
+        Some("bmp") => "image/bmp",
+        _ => "image/png",
     }
 }
 

