@@ -1,0 +1,51 @@
+//! Tauri's build step (embeds the UI, generates the command permissions) and where the app
+//! finds libmlx at run time.
+
+/// The commands the UI calls: each gets an `allow-…` permission, and only these are granted
+/// (capabilities/default.json).
+const COMMANDS: &[&str] = &[
+    "list_conversations",
+    "create_conversation",
+    "get_conversation",
+    "rename_conversation",
+    "delete_conversation",
+    "send_message",
+    "regenerate",
+    "edit_message",
+    "stop_reply",
+    "switch_branch",
+    "set_system_prompt",
+    "set_settings",
+    "import_attachment",
+    "list_models",
+    "add_model_folder",
+    "remove_model_folder",
+    "load_model",
+    "cancel_load",
+    "app_info",
+];
+
+fn main() {
+    // The development build runs against the venv's libmlx; installed packages carry their
+    // own copy next to the binary (the .deb in /usr/lib/quince, the .app in Frameworks).
+    mlx_build::emit_rpath();
+    #[cfg(target_os = "linux")]
+    println!("cargo:rustc-link-arg-bins=-Wl,-rpath,$ORIGIN/../lib/quince");
+    #[cfg(target_os = "macos")]
+    println!("cargo:rustc-link-arg-bins=-Wl,-rpath,@executable_path/../Frameworks");
+    let demo = std::path::Path::new("../target/demo-model/model.safetensors");
+    if !demo.exists() {
+        panic!(
+            "\n\nthe demo model the app ships is missing ({}): run `make demo-model` (or `make run`)\n",
+            demo.display()
+        );
+    }
+    if !std::path::Path::new("../ui/dist/index.html").exists() {
+        panic!("\n\nthe web UI is not built (ui/dist): run `make ui` (or `make run`)\n");
+    }
+    tauri_build::try_build(
+        tauri_build::Attributes::new()
+            .app_manifest(tauri_build::AppManifest::new().commands(COMMANDS)),
+    )
+    .unwrap_or_else(|e| panic!("tauri build step failed: {e:#}"));
+}

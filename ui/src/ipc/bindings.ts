@@ -1,0 +1,332 @@
+// Generated from the Rust types in crates/chat/src/view.rs by
+// `cargo test -p chat --test bindings` with UPDATE_BINDINGS=1. Do not edit.
+
+export type Role = "system" | "user" | "assistant";
+
+export type MessageState = "complete" | "streaming" | "stopped" | "error";
+
+export type ReplyStats = { 
+/**
+ * `stop` (end of turn), `length` (token budget) or `stopped` (by the user).
+ */
+stop_reason: string, 
+/**
+ * Tokens in the prompt, images included.
+ */
+prompt_tokens: number, 
+/**
+ * Tokens generated.
+ */
+generated_tokens: number, 
+/**
+ * Time to the first token, ms.
+ */
+ttft_ms: number, 
+/**
+ * Decode speed, tokens per second.
+ */
+decode_tok_s: number, 
+/**
+ * Peak memory while generating, bytes.
+ */
+peak_mem_bytes: number, };
+
+export type AttachmentView = { 
+/**
+ * File name inside the app's attachment folder (served as `quince-attachment://`).
+ */
+file: string, 
+/**
+ * MIME type.
+ */
+mime: string, 
+/**
+ * Size in bytes.
+ */
+bytes: number, };
+
+export type PendingAttachment = { 
+/**
+ * File name inside the attachment folder (content-addressed: `<sha256>.<ext>`).
+ */
+file: string, 
+/**
+ * MIME type.
+ */
+mime: string, 
+/**
+ * Size in bytes.
+ */
+bytes: number, 
+/**
+ * Pixel width.
+ */
+width: number, 
+/**
+ * Pixel height.
+ */
+height: number, 
+/**
+ * The name the user's file had.
+ */
+name: string, };
+
+export type BranchInfo = { 
+/**
+ * Its index among the siblings, from 0.
+ */
+index: number, 
+/**
+ * How many siblings there are (itself included).
+ */
+count: number, 
+/**
+ * The siblings' ids in creation order.
+ */
+siblings: Array<number>, };
+
+export type ThreadMessage = { 
+/**
+ * Row id.
+ */
+id: number, 
+/**
+ * The message it follows.
+ */
+parent_id: number | null, 
+/**
+ * Who wrote it.
+ */
+role: Role, 
+/**
+ * Its text.
+ */
+content: string, 
+/**
+ * Complete, streaming, stopped or error.
+ */
+state: MessageState, 
+/**
+ * Statistics of a finished reply.
+ */
+stats: ReplyStats | null, 
+/**
+ * Why a reply failed.
+ */
+error: string | null, 
+/**
+ * Its images.
+ */
+attachments: Array<AttachmentView>, 
+/**
+ * Its siblings.
+ */
+branch: BranchInfo, 
+/**
+ * Unix ms.
+ */
+created_at: number, };
+
+export type Settings = { 
+/**
+ * 0 is greedy.
+ */
+temperature: number, 
+/**
+ * Nucleus sampling mass (1 disables it).
+ */
+top_p: number, 
+/**
+ * Keep the k most likely tokens (0 disables it).
+ */
+top_k: number, 
+/**
+ * Most tokens per reply.
+ */
+max_tokens: number, 
+/**
+ * Seed of the sampler.
+ */
+seed: number, 
+/**
+ * Soft tokens per image (Gemma 4: 70, 140, 280, 560 or 1120).
+ */
+max_soft_tokens: number, };
+
+export type ConversationSummary = { 
+/**
+ * Row id.
+ */
+id: number, 
+/**
+ * Its title.
+ */
+title: string, 
+/**
+ * The model it last talked to.
+ */
+model_id: string | null, 
+/**
+ * Unix ms of the last change.
+ */
+updated_at: number, };
+
+export type ConversationDetail = { 
+/**
+ * Row id.
+ */
+id: number, 
+/**
+ * Its title.
+ */
+title: string, 
+/**
+ * The model it last talked to.
+ */
+model_id: string | null, 
+/**
+ * Its system prompt ("" for none).
+ */
+system_prompt: string, 
+/**
+ * Its sampling settings.
+ */
+settings: Settings, 
+/**
+ * The current branch, first message first.
+ */
+messages: Array<ThreadMessage>, };
+
+export type StreamEvent = { "kind": "started", 
+/**
+ * The user message just stored.
+ */
+user: ThreadMessage | null, 
+/**
+ * The reply being written.
+ */
+reply: ThreadMessage, } | { "kind": "text", 
+/**
+ * The piece to append.
+ */
+text: string, } | { "kind": "done", 
+/**
+ * The stored reply.
+ */
+reply: ThreadMessage, } | { "kind": "failed", 
+/**
+ * Readable message.
+ */
+message: string, 
+/**
+ * The stored reply, when it got that far.
+ */
+reply: ThreadMessage | null, };
+
+export type ModelSource = "demo" | "folder" | "hf_cache";
+
+export type ModelEntry = { 
+/**
+ * The model folder (its id).
+ */
+path: string, 
+/**
+ * Display name.
+ */
+name: string, 
+/**
+ * Where it comes from.
+ */
+source: ModelSource, 
+/**
+ * Whether it takes images.
+ */
+vision: boolean, 
+/**
+ * Size of its weights.
+ */
+bytes: number, 
+/**
+ * Why it cannot be loaded, if it cannot.
+ */
+problem: string | null, };
+
+export type LoadedModel = { 
+/**
+ * Its folder.
+ */
+path: string, 
+/**
+ * Display name.
+ */
+name: string, 
+/**
+ * Whether it takes images.
+ */
+vision: boolean, 
+/**
+ * Its context length in tokens.
+ */
+max_context: number, };
+
+export type ModelsState = { 
+/**
+ * Every model found.
+ */
+models: Array<ModelEntry>, 
+/**
+ * The model in the engine.
+ */
+loaded: LoadedModel | null, 
+/**
+ * What to load when nothing is: the last model used, else the demo model.
+ */
+default_model: string | null, };
+
+export type LoadEvent = { "kind": "progress", 
+/**
+ * What is happening, in words.
+ */
+stage: string, 
+/**
+ * Stages done.
+ */
+done: number, 
+/**
+ * Stages in all.
+ */
+total: number, } | { "kind": "done", 
+/**
+ * The loaded model.
+ */
+model: LoadedModel, };
+
+export type ErrorKind = "model_missing" | "model_load" | "prompt_too_long" | "bad_image" | "busy" | "not_found" | "invalid" | "cancelled" | "internal";
+
+export type CommandError = { 
+/**
+ * The kind of failure.
+ */
+kind: ErrorKind, 
+/**
+ * A readable message.
+ */
+message: string, };
+
+export type AppInfo = { 
+/**
+ * App version.
+ */
+version: string, 
+/**
+ * Where conversations and attachments live.
+ */
+data_dir: string, 
+/**
+ * Where the logs are.
+ */
+log_dir: string, 
+/**
+ * The MLX device.
+ */
+device: string, };

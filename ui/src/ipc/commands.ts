@@ -1,0 +1,162 @@
+// Typed wrappers over the Tauri commands. Argument names are camelCase here;
+// Tauri maps them to the Rust snake_case parameters.
+import { Channel, invoke } from "@tauri-apps/api/core";
+import type {
+  AppInfo,
+  CommandError,
+  ConversationDetail,
+  ConversationSummary,
+  ErrorKind,
+  LoadEvent,
+  LoadedModel,
+  ModelEntry,
+  ModelsState,
+  PendingAttachment,
+  Settings,
+  StreamEvent,
+  ThreadMessage,
+} from "./bindings";
+
+export { Channel };
+
+const ERROR_KINDS: readonly ErrorKind[] = [
+  "model_missing",
+  "model_load",
+  "prompt_too_long",
+  "bad_image",
+  "busy",
+  "not_found",
+  "invalid",
+  "cancelled",
+  "internal",
+];
+
+/** True when `e` has the `{kind, message}` shape every command rejects with. */
+export function isCommandError(e: unknown): e is CommandError {
+  if (typeof e !== "object" || e === null) return false;
+  const o = e as Record<string, unknown>;
+  return (
+    typeof o.message === "string" &&
+    typeof o.kind === "string" &&
+    (ERROR_KINDS as readonly string[]).includes(o.kind)
+  );
+}
+
+/** The kind of a command error, or null for anything else. */
+export function errorKind(e: unknown): ErrorKind | null {
+  return isCommandError(e) ? e.kind : null;
+}
+
+/** A readable message for anything a command (or other code) threw. Never a stack. */
+export function errorMessage(e: unknown): string {
+  if (e === null || e === undefined) return "Unknown error";
+  if (typeof e === "string") return e.trim() || "Unknown error";
+  if (e instanceof Error) return e.message || e.name || "Unknown error";
+  if (typeof e === "object") {
+    const msg = (e as { message?: unknown }).message;
+    if (typeof msg === "string" && msg.trim()) return msg;
+    const kind = (e as { kind?: unknown }).kind;
+    if (typeof kind === "string") return kind.replace(/_/g, " ");
+  }
+  try {
+    return String(e);
+  } catch {
+    return "Unknown error";
+  }
+}
+
+// ---- conversations ----
+
+export function listConversations(query: string | null): Promise<ConversationSummary[]> {
+  return invoke("list_conversations", { query: query && query.trim() ? query.trim() : null });
+}
+
+export function createConversation(): Promise<ConversationDetail> {
+  return invoke("create_conversation");
+}
+
+export function getConversation(id: number): Promise<ConversationDetail> {
+  return invoke("get_conversation", { id });
+}
+
+export function renameConversation(id: number, title: string): Promise<void> {
+  return invoke("rename_conversation", { id, title });
+}
+
+export function deleteConversation(id: number): Promise<void> {
+  return invoke("delete_conversation", { id });
+}
+
+// ---- messages / streaming ----
+
+export function sendMessage(
+  conversationId: number,
+  text: string,
+  attachments: string[],
+  onEvent: Channel<StreamEvent>,
+): Promise<ThreadMessage> {
+  return invoke("send_message", { conversationId, text, attachments, onEvent });
+}
+
+export function regenerate(messageId: number, onEvent: Channel<StreamEvent>): Promise<ThreadMessage> {
+  return invoke("regenerate", { messageId, onEvent });
+}
+
+export function editMessage(
+  messageId: number,
+  text: string,
+  onEvent: Channel<StreamEvent>,
+): Promise<ThreadMessage> {
+  return invoke("edit_message", { messageId, text, onEvent });
+}
+
+export function stopReply(conversationId: number): Promise<boolean> {
+  return invoke("stop_reply", { conversationId });
+}
+
+export function switchBranch(messageId: number): Promise<ConversationDetail> {
+  return invoke("switch_branch", { messageId });
+}
+
+export function setSystemPrompt(id: number, prompt: string): Promise<void> {
+  return invoke("set_system_prompt", { id, prompt });
+}
+
+export function setSettings(id: number, settings: Settings): Promise<void> {
+  return invoke("set_settings", { id, settings });
+}
+
+// ---- attachments ----
+
+/** Sends the raw bytes as the request body; the file name travels in a header. */
+export function importAttachment(bytes: Uint8Array, name: string): Promise<PendingAttachment> {
+  return invoke("import_attachment", bytes, {
+    headers: { "x-file-name": encodeURIComponent(name) },
+  });
+}
+
+// ---- models ----
+
+export function listModels(): Promise<ModelsState> {
+  return invoke("list_models");
+}
+
+export function addModelFolder(path: string): Promise<ModelEntry> {
+  return invoke("add_model_folder", { path });
+}
+
+export function removeModelFolder(path: string): Promise<void> {
+  return invoke("remove_model_folder", { path });
+}
+
+export function loadModel(path: string, onProgress: Channel<LoadEvent>): Promise<LoadedModel> {
+  return invoke("load_model", { path, onProgress });
+}
+
+export function cancelLoad(): Promise<void> {
+  return invoke("cancel_load");
+}
+
+export function appInfo(): Promise<AppInfo> {
+  return invoke("app_info");
+}

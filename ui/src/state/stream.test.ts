@@ -1,0 +1,165 @@
+import { describe, expect, it } from "vitest";
+import { actionFromEvent, chatReducer, initialChatState, isStreamingHere, type ChatState } from "./stream";
+import { detail, msg } from "./testdata";
+
+function loaded(d = detail(1)): ChatState {
+  return chatReducer(initialChatState, { type: "loaded", detail: d });
+}
+
+const user = msg({ id: 10, role: "user", content: "hi" });
+const placeholder = msg({ id: 11, parent_id: 10, role: "assistant", content: "", state: "streaming" });
+
+function started(s: ChatState = loaded()): ChatState {
+  s = chatReducer(s, { type: "sending", conversationId: 1 });
+  return chatReducer(s, { type: "started", conversationId: 1, user, reply: placeholder });
+}
+
+describe("chatReducer", () => {
+  it("loaded replaces the detail", () => {
+    const s = loaded(detail(3, [user]));
+    expect(s.detail?.id).toBe(3);
+    expect(s.detail?.messages).toHaveLength(1);
+  });
+
+  it("sending marks a reply in flight before started arrives", () => {
+    const s = chatReducer(loaded(), { type: "sending", conversationId: 1 });
+    expect(s.inFlight).toEqual({ conversationId: 1, replyId: null });
+    expect(isStreamingHere(s)).toBe(true);
+  });
+
+  it("started inserts the user message and the reply placeholder", () => {
+    const s = started();
+    expect(s.detail?.messages.map((m) => m.id)).toEqual([10, 11]);
+    expect(s.detail?.messages[1].state).toBe("streaming");
+    expect(s.inFlight).toEqual({ conversationId: 1, replyId: 11 });
+  });
+
+  it("started with a null user (regenerate) branches off the reply's parent", () => {
+    const old = msg({ id: 11, parent_id: 10, role: "assistant", content: "old" });
+    const s0 = loaded(detail(1, [user, old]));
+    const fresh = msg({ id: 12, parent_id: 10, role: "assistant", state: "streaming" });
+    const s = chatReducer(s0, { type: "started", conversationId: 1, user: null, reply: fresh });
+    expect(s.detail?.messages.map((m) => m.id)).toEqual([10, 12]);
+  });
+
+  it("started for an edit replaces the tail from the edited message on", () => {
+    const a = msg({ id: 1, role: "user", content: "a" });
+    const b = msg({ id: 2, parent_id: 1, role: "assistant", content: "b" });
+    const c = msg({ id: 3, parent_id: 2, role: "user", content: "c" });
+    const d = msg({ id: 4, parent_id: 3, role: "assistant", content: "d" });
+    const s0 = loaded(detail(1, [a, b, c, d]));
+    const edited = msg({ id: 5, parent_id: 2, role: "user", content: "c2" });
+    const reply = msg({ id: 6, parent_id: 5, role: "assistant", state: "streaming" });
+    const s = chatReducer(s0, { type: "started", conversationId: 1, user: edited, reply });
+    expect(s.detail?.messages.map((m) => m.id)).toEqual([1, 2, 5, 6]);
+  });
+
+  it("text accumulates in order into the placeholder", () => {
+    let s = started();
+    for (const t of ["Hel", "lo", ", ", "world"]) {
+      s = chatReducer(s, { type: "text", conversationId: 1, text: t });
+    }
+    expect(s.detail?.messages[1].content).toBe("Hello, world");
+    expect(s.detail?.messages[0].content).toBe("hi");
+  });
+
+  it("done replaces the placeholder with the final reply and ends the stream", () => {
+    let s = started();
+    s = chatReducer(s, { type: "text", conversationId: 1, text: "partial" });
+    const final = msg({
+      id: 11,
+      parent_id: 10,
+      role: "assistant",
+      content: "final text",
+      stats: {
+        stop_reason: "eos",
+        prompt_tokens: 3,
+        generated_tokens: 2,
+        ttft_ms: 10,
+        decode_tok_s: 50,
+        peak_mem_bytes: 0,
+      },
+    });
+    s = chatReducer(s, { type: "done", conversationId: 1, reply: final });
+    expect(s.detail?.messages[1]).toEqual(final);
+    expect(s.inFlight).toBeNull();
+    expect(isStreamingHere(s)).toBe(false);
+  });
+
+  it("failed keeps the partial text and sets the error", () => {
+    let s = started();
+    s = chatReducer(s, { type: "text", conversationId: 1, text: "half an ans" });
+    s = chatReducer(s, { type: "failed", conversationId: 1, message: "out of memory", reply: null });
+    const r = s.detail!.messages[1];
+    expect(r.content).toBe("half an ans");
+    expect(r.state).toBe("error");
+    expect(r.error).toBe("out of memory");
+    expect(s.error).toBe("out of memory");
+    expect(s.inFlight).toBeNull();
+  });
+
+  it("failed with a stored reply takes its error state", () => {
+    let s = started();
+    s = chatReducer(s, { type: "text", conversationId: 1, text: "abc" });
+    const stored = msg({ id: 11, parent_id: 10, role: "assistant", content: "abc", state: "error", error: "boom" });
+    s = chatReducer(s, { type: "failed", conversationId: 1, message: "boom", reply: stored });
+    expect(s.detail!.messages[1]).toMatchObject({ content: "abc", state: "error", error: "boom" });
+  });
+
+  it("failed before started clears the in-flight marker", () => {
+    let s = chatReducer(loaded(), { type: "sending", conversationId: 1 });
+    s = chatReducer(s, { type: "failed", conversationId: 1, message: "busy", reply: null });
+    expect(s.inFlight).toBeNull();
+    expect(s.error).toBe("busy");
+    expect(s.detail?.messages).toEqual([]);
+  });
+
+  it("stopped marks the reply stopped and ends the stream", () => {
+    let s = started();
+    s = chatReducer(s, { type: "text", conversationId: 1, text: "so far" });
+    s = chatReducer(s, { type: "stopped", conversationId: 1 });
+    expect(s.detail!.messages[1]).toMatchObject({ content: "so far", state: "stopped" });
+    expect(s.inFlight).toBeNull();
+  });
+
+  it("events for another conversation are ignored", () => {
+    const s0 = started();
+    const other = 2;
+    let s = chatReducer(s0, { type: "text", conversationId: other, text: "nope" });
+    s = chatReducer(s, {
+      type: "started",
+      conversationId: other,
+      user: msg({ id: 50 }),
+      reply: msg({ id: 51, parent_id: 50, role: "assistant" }),
+    });
+    s = chatReducer(s, { type: "done", conversationId: other, reply: msg({ id: 11, content: "x" }) });
+    s = chatReducer(s, { type: "failed", conversationId: other, message: "x", reply: null });
+    s = chatReducer(s, { type: "stopped", conversationId: other });
+    expect(s).toEqual(s0);
+  });
+
+  it("a stream into a conversation no longer shown does not touch the one shown", () => {
+    let s = started();
+    s = chatReducer(s, { type: "loaded", detail: detail(2, [msg({ id: 99, content: "other" })]) });
+    expect(isStreamingHere(s)).toBe(false);
+    const shown = s.detail;
+    s = chatReducer(s, { type: "text", conversationId: 1, text: "more" });
+    expect(s.detail).toBe(shown);
+    s = chatReducer(s, { type: "done", conversationId: 1, reply: msg({ id: 11, role: "assistant" }) });
+    expect(s.detail).toBe(shown);
+    expect(s.inFlight).toBeNull();
+  });
+
+  it("actionFromEvent maps every channel event", () => {
+    expect(actionFromEvent(4, { kind: "text", text: "a" })).toEqual({ type: "text", conversationId: 4, text: "a" });
+    expect(actionFromEvent(4, { kind: "started", user: null, reply: placeholder })).toMatchObject({
+      type: "started",
+      user: null,
+    });
+    expect(actionFromEvent(4, { kind: "done", reply: placeholder }).type).toBe("done");
+    expect(actionFromEvent(4, { kind: "failed", message: "m", reply: null })).toMatchObject({
+      type: "failed",
+      message: "m",
+    });
+  });
+});
