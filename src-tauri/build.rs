@@ -27,10 +27,10 @@ const COMMANDS: &[&str] = &[
 
 fn main() {
     // The development build runs against the venv's libmlx; installed packages carry their
-    // own copy next to the binary (the .deb in /usr/lib/quince, the .app in Frameworks).
+    // own copy (the .deb in /usr/lib/quince/mlx/lib, the .app in Contents/Frameworks).
     mlx_build::emit_rpath();
     #[cfg(target_os = "linux")]
-    println!("cargo:rustc-link-arg-bins=-Wl,-rpath,$ORIGIN/../lib/quince");
+    println!("cargo:rustc-link-arg-bins=-Wl,-rpath,$ORIGIN/../lib/quince/mlx/lib");
     #[cfg(target_os = "macos")]
     println!("cargo:rustc-link-arg-bins=-Wl,-rpath,@executable_path/../Frameworks");
     let demo = std::path::Path::new("../target/demo-model/model.safetensors");

@@ -176,7 +176,8 @@ async fn images_are_imported_attached_and_read_by_the_model() {
     let again = chat.import_attachment(&bytes, "copy.png").await.unwrap();
     assert_eq!(again.file, pending.file, "the same image is stored once");
 
-    let (reply, _) = send(&chat, c, "What is in this picture?", &[pending.file.clone()]).await;
+    let (reply, _) =
+        send(&chat, c, "What is in this picture?", std::slice::from_ref(&pending.file)).await;
     let reply = reply.unwrap();
     assert_eq!(reply.state, MessageState::Complete);
     let prompt_tokens = reply.stats.unwrap().prompt_tokens;

@@ -1,0 +1,196 @@
+// End-to-end: the real quince-app binary in WebKitGTK, driven through tauri-driver, on a fresh
+// profile with the demo model. Every state is photographed into $E2E_SHOTS.
+//
+//   node tests/e2e/app.e2e.mjs   (tests/e2e/run.sh sets up Xvfb, tauri-driver and a profile)
+
+import assert from "node:assert/strict";
+import { mkdirSync, writeFileSync } from "node:fs";
+import { join, resolve } from "node:path";
+import { Keys, Session } from "./webdriver.mjs";
+
+const DRIVER = process.env.E2E_DRIVER ?? "http://127.0.0.1:4444";
+const APP = resolve(process.env.E2E_APP ?? "target/debug/quince-app");
+const SHOTS = resolve(process.env.E2E_SHOTS ?? "target/e2e-shots");
+const IMAGE = resolve("tests/golden/vision/images/rgb_640x480.png");
+mkdirSync(SHOTS, { recursive: true });
+
+let step = 0;
+async function shot(s, name) {
+  step += 1;
+  const file = join(SHOTS, `${String(step).padStart(2, "0")}-${name}.png`);
+  writeFileSync(file, await s.screenshot());
+  console.log(`  screenshot ${file}`);
+}
+
+/** Everything on screen the checks look at, read in one round trip. */
+function view(s) {
+  return s.execute(`
+    const q = (el, sel) => el.querySelector('[data-testid="' + sel + '"]');
+    const messages = [...document.querySelectorAll('[data-testid="message"]')].map((m) => ({
+      id: m.dataset.id, role: m.dataset.role, state: m.dataset.state,
+      text: q(m, 'message-content')?.innerText ?? '',
+      branch: q(m, 'branch-label')?.innerText ?? null,
+      thumbs: [...m.querySelectorAll('[data-testid="message-thumb"]')].map((i) => i.complete ? i.naturalWidth : -1),
+      stats: q(m, 'reply-stats')?.innerText ?? null,
+    }));
+    return {
+      messages,
+      streaming: document.querySelector('[data-streaming]')?.dataset.streaming === 'true',
+      model: q(document, 'model-status')?.innerText ?? null,
+      conversations: [...document.querySelectorAll('[data-testid="conversation-item"]')].map((c) => c.innerText.trim()),
+      error: q(document, 'error-banner')?.innerText ?? null,
+    };`);
+}
+
+const last = (v, role) => v.messages.filter((m) => m.role === role).at(-1);
+
+async function waitForModel(s) {
+  await s.waitFor("the demo model to load", async () => (await view(s)).model === "Demo (untrained)", 60000);
+}
+
+async function setMaxTokens(s, n) {
+  await (await s.find('[data-testid="settings-button"]')).click();
+  const field = await s.waitForElement('[data-testid="max-tokens"]');
+  await field.clear();
+  await field.type(String(n));
+  await (await s.find('[data-testid="settings-save"]')).click();
+  await s.waitFor("the settings panel to close", async () => (await s.findAll('[data-testid="max-tokens"]')).length === 0);
+}
+
+async function send(s, text) {
+  const input = await s.find('[data-testid="composer-input"]');
+  await input.type(text);
+  await input.type(Keys.ENTER);
+}
+
+async function waitForReply(s, count, timeoutMs = 120000) {
+  return s.waitFor(`reply ${count} to finish`, async () => {
+    const v = await view(s);
+    const replies = v.messages.filter((m) => m.role === "assistant");
+    return replies.length === count && !v.streaming && replies.at(-1).state !== "streaming" ? v : null;
+  }, timeoutMs);
+}
+
+async function main() {
+  console.log(`e2e: ${APP}`);
+  let s = await Session.start(DRIVER, APP);
+  try {
+    // First run: the demo model is found among the resources and loaded.
+    await waitForModel(s);
+    await s.waitForElement('[data-testid="conversations-empty"], [data-testid="empty-state"]');
+    await shot(s, "first-run");
+
+    // A conversation: tokens stream in, then the stats line.
+    await (await s.find('[data-testid="new-chat"]')).click();
+    await s.waitForElement('[data-testid="empty-state"]');
+    await setMaxTokens(s, 96);
+    await send(s, "Hello there! Who are you?");
+    const lengths = new Set();
+    await s.waitFor("the reply to stream", async () => {
+      const v = await view(s);
+      const reply = last(v, "assistant");
+      if (reply && v.streaming) lengths.add(reply.text.length);
+      return !v.streaming && reply && reply.state !== "streaming";
+    }, 120000, 20);
+    const growing = [...lengths].filter((n) => n > 0);
+    assert.ok(growing.length >= 2, `saw the reply grow while streaming (lengths ${[...lengths]})`);
+    let v = await view(s);
+    assert.equal(last(v, "assistant").state, "complete");
+    assert.match(last(v, "assistant").stats, /TTFT .* ms · .* tok\/s/);
+    assert.equal(v.conversations[0].split("\n")[0], "Hello there! Who are you?", "titled from the first message");
+    await shot(s, "streamed-reply");
+
+    // Stop a long reply.
+    await setMaxTokens(s, 4000);
+    await send(s, "Tell me a very long story.");
+    await s.waitFor("the long reply to start", async () => {
+      const v = await view(s);
+      return v.streaming && last(v, "assistant")?.text.length > 20;
+    }, 60000, 50);
+    await (await s.find('[data-testid="stop-button"]')).click();
+    v = await waitForReply(s, 2, 30000);
+    assert.equal(last(v, "assistant").state, "stopped");
+    await shot(s, "stopped");
+
+    // Regenerate it: a second branch of the reply.
+    await setMaxTokens(s, 24);
+    const regenerate = await s.findAll('[data-testid="regenerate-button"]');
+    await regenerate.at(-1).click();
+    v = await s.waitFor("the regenerated reply", async () => {
+      const v = await view(s);
+      const reply = last(v, "assistant");
+      return !v.streaming && reply?.branch === "2/2" && reply.state === "complete" ? v : null;
+    }, 120000);
+    await shot(s, "regenerated");
+
+    // Edit the first message into a branch, then switch between the branches.
+    await (await s.findAll('[data-testid="edit-button"]'))[0].click();
+    const edit = await s.waitForElement('[data-testid="edit-input"]');
+    await edit.clear();
+    await edit.type("Hello again, edited!");
+    await (await s.find('[data-testid="edit-save"]')).click();
+    v = await s.waitFor("the edited branch", async () => {
+      const v = await view(s);
+      const first = v.messages[0];
+      return !v.streaming && first?.branch === "2/2" && v.messages.length === 2 && v.messages[1].state === "complete" ? v : null;
+    }, 120000);
+    assert.equal(v.messages[0].text, "Hello again, edited!");
+    await shot(s, "edited-branch");
+    await (await s.findAll('[data-testid="branch-prev"]'))[0].click();
+    v = await s.waitFor("the first branch", async () => {
+      const v = await view(s);
+      return v.messages[0]?.branch === "1/2" && v.messages.length === 4 ? v : null;
+    });
+    assert.equal(v.messages[0].text, "Hello there! Who are you?");
+    assert.equal(v.messages[3].branch, "2/2", "the first branch keeps its regenerated reply");
+    await shot(s, "first-branch");
+    await (await s.findAll('[data-testid="branch-next"]'))[0].click();
+    await s.waitFor("back to the edited branch", async () => (await view(s)).messages[0]?.branch === "2/2");
+
+    // Attach an image and get a reply; the thumbnail is served from the app's folder.
+    await (await s.find('[data-testid="attach-input"]')).type(IMAGE);
+    await s.waitForElement('[data-testid="composer-thumb"]', 30000);
+    await send(s, "What is in this picture?");
+    v = await s.waitFor("the image reply", async () => {
+      const v = await view(s);
+      const reply = last(v, "assistant");
+      return !v.streaming && v.messages.length === 4 && reply.state === "complete" ? v : null;
+    }, 120000);
+    const user = last(v, "user");
+    assert.equal(user.text, "What is in this picture?");
+    await s.waitFor("the thumbnail to load", async () => last(await view(s), "user").thumbs[0] === 640);
+    assert.ok(!v.error, `no error banner: ${v.error}`);
+    await shot(s, "image-reply");
+  } finally {
+    await s.quit();
+  }
+
+  // Quit and relaunch on the same profile: everything is still there.
+  s = await Session.start(DRIVER, APP);
+  try {
+    await waitForModel(s);
+    const items = await s.waitFor("the conversation list", async () => {
+      const items = await s.findAll('[data-testid="conversation-item"]');
+      return items.length ? items : null;
+    });
+    assert.equal(items.length, 1);
+    await items[0].click();
+    const v = await s.waitFor("the conversation to reopen", async () => {
+      const v = await view(s);
+      return v.messages.length === 4 ? v : null;
+    });
+    assert.equal(v.messages[0].text, "Hello again, edited!");
+    assert.equal(v.messages[0].branch, "2/2");
+    assert.equal(v.messages[2].text, "What is in this picture?");
+    await s.waitFor("the thumbnail after relaunch", async () => (await view(s)).messages[2].thumbs[0] === 640);
+    await shot(s, "relaunched");
+  } finally {
+    await s.quit();
+  }
+  console.log(`e2e: passed (${step} screenshots in ${SHOTS})`);
+}
+
+main().catch((error) => {
+  console.error(`e2e: FAILED: ${error.stack ?? error}`);
+  process.exit(1);
+});

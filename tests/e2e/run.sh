@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs tests/e2e/app.e2e.mjs against the built app: a virtual display (Xvfb), tauri-driver
+# (which starts WebKitWebDriver, which starts quince-app), and a fresh profile.
+#   tests/e2e/run.sh [path/to/quince-app]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+APP=${1:-target/debug/quince-app}
+DRIVER=${TAURI_DRIVER:-target/tools/bin/tauri-driver}
+PORT=${E2E_PORT:-4444}
+export E2E_APP=$APP E2E_SHOTS=${E2E_SHOTS:-target/e2e-shots} E2E_DRIVER=http://127.0.0.1:$PORT
+export QUINCE_DATA_DIR=$(mktemp -d /tmp/quince-e2e.XXXXXX)
+# No user cache: the library must come from the app's own resources.
+export HF_HUB_CACHE=$QUINCE_DATA_DIR/hf-cache
+rm -rf "$E2E_SHOTS"
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$QUINCE_DATA_DIR"' EXIT
+xvfb-run -a -s "-screen 0 1280x900x24" bash -c '
+  trap "kill \$(jobs -p) 2>/dev/null; pkill -P \$\$ 2>/dev/null" EXIT
+  "$0" --port "$1" --native-port $(( $1 + 1 )) > "$QUINCE_DATA_DIR/tauri-driver.log" 2>&1 &
+  for _ in $(seq 100); do curl -sf "$E2E_DRIVER/status" >/dev/null 2>&1 && break; sleep 0.1; done
+  node tests/e2e/app.e2e.mjs; status=$?
+  [ $status = 0 ] || { echo "--- tauri-driver log"; tail -40 "$QUINCE_DATA_DIR/tauri-driver.log"; echo "--- app log"; tail -40 "$QUINCE_DATA_DIR"/logs/quince*.log 2>/dev/null; }
+  exit $status' "$DRIVER" "$PORT"
