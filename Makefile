@@ -25,7 +25,7 @@ CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
 .PHONY: help setup system-deps venv assets ui ui-deps demo-model tauri-driver app-inputs build run chat-once \
-  test test-rust test-ui test-e2e lint golden-check fixtures bench-ops bundle bindings clean
+  test test-rust test-ui test-e2e lint golden-check fixtures bench-ops bundle bundle-macos bindings clean
 
 help:
 	@echo "make run        set up, build and launch Quince (the demo model is selected on a fresh profile)"
@@ -175,6 +175,12 @@ fixtures: setup
 
 bench-ops: setup
 	$(CARGO) run --release --locked -p quince-cli -- bench-ops
+
+# On a Mac (Apple Silicon, the Metal `mlx` wheel in .venv): Quince.app and a .dmg.
+bundle-macos: app-inputs
+	sed "s#@MLX_LIB_DIR@#$(MLX_PKG)/mlx/lib#g" bundle/tauri.macos.conf.json > target/bundle-macos.json
+	cd src-tauri && ../ui/node_modules/.bin/tauri build --target aarch64-apple-darwin \
+	  --config ../target/bundle-macos.json -- --locked
 
 clean:
 	$(CARGO) clean
