@@ -104,8 +104,9 @@ build: app-inputs
 	$(CARGO) build --workspace --locked
 
 # Build and launch the app (release). Linux without a display: run it under `xvfb-run`.
+# (the same features `tauri build` uses, so `make bundle` reuses this build)
 run: app-inputs
-	$(CARGO) build --locked --release -p quince-cli -p quince-app
+	$(CARGO) build --locked --release -p quince-cli -p quince-app --features quince-app/custom-protocol
 	target/release/quince doctor
 	target/release/quince-app
 

@@ -108,10 +108,11 @@ pub async fn edit_message(
     state.chat.edit(message_id, &text, forward(&on_event)).await.map_err(fail)
 }
 
-/// Stops the conversation's reply; false when none runs.
+/// Stops a generation, named by the id of the reply it writes (from the `started` event);
+/// false when it is not running.
 #[tauri::command]
-pub fn stop_reply(state: State<'_, AppState>, conversation_id: i64) -> bool {
-    state.chat.stop(conversation_id)
+pub fn stop_reply(state: State<'_, AppState>, reply_id: i64) -> bool {
+    state.chat.stop_generation(reply_id)
 }
 
 /// Shows the branch through a message.

@@ -148,7 +148,7 @@ fn a_conversation_through_the_commands() {
     call(&f, "rename_conversation", json!({ "id": id, "title": "Pictures" })).unwrap();
     let all = call(&f, "list_conversations", json!({ "query": null })).unwrap();
     assert_eq!(all[0]["title"], "Pictures");
-    assert_eq!(call(&f, "stop_reply", json!({ "conversationId": id })).unwrap(), json!(false));
+    assert_eq!(call(&f, "stop_reply", json!({ "replyId": reply["id"] })).unwrap(), json!(false));
     let info = call(&f, "app_info", json!({})).unwrap();
     assert!(info["device"].as_str().unwrap().starts_with("MLX 0.32.4"));
     call(&f, "delete_conversation", json!({ "id": id })).unwrap();

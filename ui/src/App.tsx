@@ -209,10 +209,11 @@ export function App() {
   }, [busy, text, pending, runStream, showError]);
 
   const stop = useCallback(async () => {
-    const inFlight = chat.inFlight;
-    if (!inFlight) return;
+    // The generation is named once its reply is stored (`started`, at once after sending).
+    const replyId = chat.inFlight?.replyId;
+    if (replyId == null) return;
     try {
-      await api.stopReply(inFlight.conversationId);
+      await api.stopReply(replyId);
     } catch (e) {
       showError(e);
     }

@@ -53,7 +53,9 @@ pub struct Chat {
     data_dir: PathBuf,
     demo_model: Option<PathBuf>,
     hf_cache: Option<PathBuf>,
-    running: Arc<Mutex<HashMap<i64, Arc<AtomicBool>>>>,
+    /// Replies in flight by conversation: the reply's id (its generation id, once stored) and
+    /// its stop flag.
+    running: Arc<Mutex<HashMap<i64, (Option<i64>, Arc<AtomicBool>)>>>,
     loaded: Arc<Mutex<Option<LoadedModel>>>,
     loading: Arc<Mutex<Option<Arc<AtomicBool>>>>,
 }
@@ -412,7 +414,20 @@ impl Chat {
     /// Stops the conversation's reply in flight, if any (it is kept, marked stopped).
     pub fn stop(&self, conversation: i64) -> bool {
         match lock(&self.running).get(&conversation) {
-            Some(flag) => {
+            Some((_, flag)) => {
+                flag.store(true, Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Stops the generation writing the reply `reply` (the id [`StreamEvent::Started`] gave);
+    /// false when that reply is not being generated (it finished, or never started).
+    pub fn stop_generation(&self, reply: i64) -> bool {
+        let running = lock(&self.running);
+        match running.values().find(|(id, _)| *id == Some(reply)) {
+            Some((_, flag)) => {
                 flag.store(true, Ordering::SeqCst);
                 true
             }
@@ -435,7 +450,7 @@ impl Chat {
                     "a reply is already being generated in this conversation".into(),
                 ));
             }
-            running.insert(conversation, cancel.clone());
+            running.insert(conversation, (None, cancel.clone()));
         }
         let result = self.reply_inner(conversation, user, user_view, cancel, on_event).await;
         lock(&self.running).remove(&conversation);
@@ -483,6 +498,9 @@ impl Chat {
             .store
             .append_message(conversation, Some(user), Role::Assistant, "", MessageState::Streaming)
             .await?;
+        if let Some(entry) = lock(&self.running).get_mut(&conversation) {
+            entry.0 = Some(reply.id);
+        }
         let placeholder = self.thread_message(reply.clone()).await?;
         on_event(StreamEvent::Started { user: user_view, reply: placeholder });
         let mut events = self.engine.reply(request, cancel)?;

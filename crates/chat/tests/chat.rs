@@ -3,8 +3,8 @@
 #![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use chat::Chat;
 use chat::view::{ErrorKind, LoadEvent, ModelSource, Settings, StreamEvent, ThreadMessage};
@@ -122,19 +122,42 @@ async fn stop_ends_a_long_reply_and_keeps_it_as_stopped() {
     let (chat, c) = ready(&f, 400).await;
     let seen = Arc::new(AtomicUsize::new(0));
     let (chat2, seen2) = (chat.clone(), seen.clone());
+    let generation = Arc::new(Mutex::new(None));
+    let generation2 = generation.clone();
     let reply = chat
         .send(c, "Write a long story.", &[], move |e| {
+            if let StreamEvent::Started { reply, .. } = &e {
+                *generation2.lock().unwrap() = Some(reply.id);
+            }
             if matches!(e, StreamEvent::Text { .. }) && seen2.fetch_add(1, Ordering::SeqCst) == 2 {
-                assert!(chat2.stop(c), "a reply is running");
+                let id = generation2.lock().unwrap().unwrap();
+                assert!(!chat2.stop_generation(id + 1), "another id stops nothing");
+                assert!(chat2.stop_generation(id), "the reply is running");
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(Some(reply.id), *generation.lock().unwrap());
+    assert_eq!(reply.state, MessageState::Stopped);
+    assert_eq!(reply.stats.unwrap().stop_reason, "stopped");
+    let pieces = seen.load(Ordering::SeqCst);
+    assert!((3..40).contains(&pieces), "stopped soon after asking: {pieces} pieces");
+    assert!(!chat.stop(c) && !chat.stop_generation(reply.id), "nothing runs any more");
+    // Stopping by conversation works the same way.
+    let chat2 = chat.clone();
+    let mut pieces = 0;
+    let reply = chat
+        .send(c, "Another one.", &[], move |e| {
+            if matches!(e, StreamEvent::Text { .. }) {
+                pieces += 1;
+                if pieces == 3 {
+                    assert!(chat2.stop(c));
+                }
             }
         })
         .await
         .unwrap();
     assert_eq!(reply.state, MessageState::Stopped);
-    assert_eq!(reply.stats.unwrap().stop_reason, "stopped");
-    let pieces = seen.load(Ordering::SeqCst);
-    assert!((3..40).contains(&pieces), "stopped soon after asking: {pieces} pieces");
-    assert!(!chat.stop(c), "nothing runs any more");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -285,4 +308,42 @@ async fn the_library_lists_the_demo_model_and_added_folders_and_remembers_the_la
     assert_eq!(state.models.len(), 1);
     assert_eq!(state.default_model.as_deref(), Some(&*f.model.to_string_lossy()));
     assert!(!reopened.cancel_load(), "no load in progress");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancelled_load_keeps_the_model_that_was_there() {
+    let f = fixture();
+    let (chat, c) = ready(&f, 400).await;
+    // A long reply keeps the engine busy, so the load below waits in its queue.
+    let (first_piece, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let sender = chat.clone();
+    let reply = tokio::spawn(async move {
+        sender
+            .send(c, "Write a long story.", &[], move |e| {
+                if matches!(e, StreamEvent::Text { .. }) {
+                    let _ = first_piece.send(());
+                }
+            })
+            .await
+    });
+    started.recv().await.unwrap();
+    let loader = chat.clone();
+    let model = f.model.clone();
+    let load = tokio::spawn(async move { loader.load_model(&model, |_| {}).await });
+    while !chat.cancel_load() {
+        tokio::task::yield_now().await;
+    }
+    let busy = chat.load_model(&f.model, |_| {}).await.unwrap_err();
+    assert_eq!(busy.kind(), ErrorKind::Busy, "one load at a time");
+    assert!(chat.stop(c));
+    assert_eq!(reply.await.unwrap().unwrap().state, MessageState::Stopped);
+    let cancelled = load.await.unwrap().unwrap_err();
+    assert_eq!(cancelled.kind(), ErrorKind::Cancelled);
+    assert_eq!(chat.loaded().unwrap().name, "Demo (untrained)", "the previous model stays");
+    // And it answers.
+    chat.set_settings(c, &greedy(3)).await.unwrap();
+    assert_eq!(
+        chat.send(c, "still there?", &[], |_| {}).await.unwrap().state,
+        MessageState::Complete
+    );
 }

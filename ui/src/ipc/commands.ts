@@ -110,8 +110,9 @@ export function editMessage(
   return invoke("edit_message", { messageId, text, onEvent });
 }
 
-export function stopReply(conversationId: number): Promise<boolean> {
-  return invoke("stop_reply", { conversationId });
+/** Stops a generation, named by the reply it writes (the `started` event's reply id). */
+export function stopReply(replyId: number): Promise<boolean> {
+  return invoke("stop_reply", { replyId });
 }
 
 export function switchBranch(messageId: number): Promise<ConversationDetail> {
