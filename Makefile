@@ -25,13 +25,13 @@ CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
 .PHONY: help setup system-deps venv assets ui ui-deps demo-model tauri-driver app-inputs build run chat-once \
-  test test-rust test-ui test-e2e lint golden-check fixtures bench-ops bundle bundle-macos bindings clean
+  test test-rust test-ui test-e2e test-bundle lint golden-check fixtures bench-ops bundle bundle-macos bindings clean
 
 help:
 	@echo "make run        set up, build and launch Quince (the demo model is selected on a fresh profile)"
 	@echo "make test       set up and run every test: lint, goldens, Rust, UI (Vitest), E2E (WebDriver)"
 	@echo "make chat-once  one streamed reply from the demo model in the terminal (PROMPT=, IMAGE=)"
-	@echo "make bundle     the Linux .deb (libmlx inside); macOS: see README"
+	@echo "make bundle     the Linux .deb (libmlx inside); make test-bundle drives it end to end"
 	@echo "make bindings   regenerate ui/src/ipc/bindings.ts from the Rust view types"
 	@echo "make setup      only install what is missing: apt packages, .venv with pinned MLX"
 	@echo "make fixtures   regenerate the op fixtures (NumPy) and the Gemma 4 goldens (mlx-lm/mlx-vlm)"
@@ -152,7 +152,15 @@ test-e2e: app-inputs tauri-driver
 	$(CARGO) build --locked -p quince-app
 	tests/e2e/run.sh target/debug/quince-app
 
-test: setup lint golden-check test-ui test-rust test-e2e
+# The .deb itself: unpacked, its binary driven through the same E2E test with libmlx taken
+# from the package (LD_LIBRARY_PATH wins over the build's rpath to .venv).
+DEB_ROOT := target/deb-root
+test-bundle: bundle tauri-driver
+	rm -rf $(DEB_ROOT) && dpkg-deb -x $$(ls -t target/release/bundle/deb/*.deb | head -1) $(DEB_ROOT)
+	LD_LIBRARY_PATH=$(DEB_ROOT)/usr/lib/quince/mlx/lib E2E_SHOTS=target/e2e-shots-deb \
+	  tests/e2e/run.sh $(DEB_ROOT)/usr/bin/quince-app
+
+test: setup lint golden-check test-ui test-rust test-e2e test-bundle
 
 # Regenerate the UI's IPC types from the Rust view types (test-rust fails when they are stale).
 bindings:

@@ -42,6 +42,20 @@ function view(s) {
     };`);
 }
 
+/** Waits until `predicate(view)` holds and returns that view; a timeout shows the last view. */
+async function waitForView(s, what, predicate, timeoutMs = 30000, everyMs = 100) {
+  let seen = null;
+  try {
+    return await s.waitFor(what, async () => {
+      seen = await view(s);
+      return predicate(seen) ? seen : null;
+    }, timeoutMs, everyMs);
+  } catch (error) {
+    error.message += `\nlast view: ${JSON.stringify(seen, null, 1)}`;
+    throw error;
+  }
+}
+
 const last = (v, role) => v.messages.filter((m) => m.role === role).at(-1);
 
 async function waitForModel(s) {
@@ -97,7 +111,8 @@ async function main() {
     let v = await view(s);
     assert.equal(last(v, "assistant").state, "complete");
     assert.match(last(v, "assistant").stats, /TTFT .* ms · .* tok\/s/);
-    assert.equal(v.conversations[0].split("\n")[0], "Hello there! Who are you?", "titled from the first message");
+    await s.waitFor("the title made from the first message", async () =>
+      (await view(s)).conversations[0]?.split("\n")[0] === "Hello there! Who are you?");
     await shot(s, "streamed-reply");
 
     // Stop a long reply.
@@ -175,10 +190,7 @@ async function main() {
     });
     assert.equal(items.length, 1);
     await items[0].click();
-    const v = await s.waitFor("the conversation to reopen", async () => {
-      const v = await view(s);
-      return v.messages.length === 4 ? v : null;
-    });
+    const v = await waitForView(s, "the conversation to reopen", (v) => v.messages.length === 4);
     assert.equal(v.messages[0].text, "Hello again, edited!");
     assert.equal(v.messages[0].branch, "2/2");
     assert.equal(v.messages[2].text, "What is in this picture?");

@@ -67,6 +67,17 @@ beforeEach(() => {
 afterEach(() => cleanup());
 
 describe("App", () => {
+  it("reopens the most recent conversation at startup, even when the backend answers at once", async () => {
+    // The answer to get_conversation arrives before React re-renders with the selected id;
+    // the conversation must still be shown (a relaunch once showed an empty chat this way).
+    const user = msg({ id: 10, role: "user", content: "Saved question" });
+    const reply = msg({ id: 11, parent_id: 10, role: "assistant", content: "Saved answer" });
+    conv = makeDetail(1, [user, reply]);
+    render(<App />);
+    await waitFor(() => expect(screen.getAllByTestId("message")).toHaveLength(2));
+    expect(screen.getAllByTestId("message-content")[0].textContent).toBe("Saved question");
+  });
+
   it("loads the default model and sends a message with a streamed reply", async () => {
     render(<App />);
     await waitFor(() => expect(screen.getByTestId("model-status").textContent).toBe("Demo (untrained)"));

@@ -70,6 +70,8 @@ export function App() {
 
   const openConversation = useCallback(
     async (id: number | null) => {
+      // The ref first: the answer below may arrive before React re-renders with the new id.
+      selectedRef.current = id;
       setSelectedId(id);
       if (id === null) {
         dispatch({ type: "loaded", detail: null });
