@@ -67,25 +67,14 @@ pub fn builder<R: tauri::Runtime>(
 /// can leave the folder.
 pub fn attachment_response(dir: &Path, uri_path: &str) -> tauri::http::Response<Vec<u8>> {
     let file = uri_path.trim_start_matches('/');
-    let plain = !file.is_empty()
-        && !file.starts_with('.')
-        && file.chars().all(|c| c.is_ascii_alphanumeric() || c == '.');
-    let found = if plain { std::fs::read(dir.join(file)).ok() } else { None };
+    let found =
+        if chat::is_attachment_name(file) { std::fs::read(dir.join(file)).ok() } else { None };
     let response = tauri::http::Response::builder();
     match found {
-        Some(bytes) => {
-            let mime = match file.rsplit('.').next() {
-                Some("jpg") => "image/jpeg",
-                Some("webp") => "image/webp",
-                Some("gif") => "image/gif",
-                Some("bmp") => "image/bmp",
-                _ => "image/png",
-            };
-            response
-                .header(tauri::http::header::CONTENT_TYPE, mime)
-                .header(tauri::http::header::CACHE_CONTROL, "max-age=31536000, immutable")
-                .body(bytes)
-        }
+        Some(bytes) => response
+            .header(tauri::http::header::CONTENT_TYPE, chat::attachment_mime(file))
+            .header(tauri::http::header::CACHE_CONTROL, "max-age=31536000, immutable")
+            .body(bytes),
         None => response.status(404).body(Vec::new()),
     }
     .unwrap_or_else(|_| tauri::http::Response::new(Vec::new()))

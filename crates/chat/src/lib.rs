@@ -53,11 +53,19 @@ pub struct Chat {
     data_dir: PathBuf,
     demo_model: Option<PathBuf>,
     hf_cache: Option<PathBuf>,
-    /// Replies in flight by conversation: the reply's id (its generation id, once stored) and
-    /// its stop flag.
-    running: Arc<Mutex<HashMap<i64, (Option<i64>, Arc<AtomicBool>)>>>,
+    /// Replies in flight, by conversation.
+    running: Arc<Mutex<HashMap<i64, Generation>>>,
     loaded: Arc<Mutex<Option<LoadedModel>>>,
     loading: Arc<Mutex<Option<Arc<AtomicBool>>>>,
+}
+
+/// A reply in flight.
+#[derive(Debug)]
+struct Generation {
+    /// The reply's id: the generation's id, once the reply is stored.
+    reply: Option<i64>,
+    /// Set to stop it after the current token.
+    stop: Arc<AtomicBool>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -292,11 +300,8 @@ impl Chat {
     }
 
     fn attachment_path(&self, file: &str) -> Result<PathBuf> {
-        let plain = !file.is_empty()
-            && file.chars().all(|c| c.is_ascii_alphanumeric() || c == '.')
-            && !file.starts_with('.');
         let path = self.attachments_dir().join(file);
-        if !plain || !path.is_file() {
+        if !is_attachment_name(file) || !path.is_file() {
             return Err(Error::BadImage(format!(
                 "the attachment {file} is missing; attach the image again"
             )));
@@ -344,7 +349,7 @@ impl Chat {
             .await?;
         for (position, (file, path)) in files.iter().zip(&paths).enumerate() {
             let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
-            let mime = mime_of(file);
+            let mime = attachment_mime(file);
             let sha = file.split('.').next().unwrap_or_default();
             self.store
                 .add_attachment(user.id, file, mime, bytes as i64, sha, position as i64)
@@ -414,8 +419,8 @@ impl Chat {
     /// Stops the conversation's reply in flight, if any (it is kept, marked stopped).
     pub fn stop(&self, conversation: i64) -> bool {
         match lock(&self.running).get(&conversation) {
-            Some((_, flag)) => {
-                flag.store(true, Ordering::SeqCst);
+            Some(generation) => {
+                generation.stop.store(true, Ordering::SeqCst);
                 true
             }
             None => false,
@@ -426,9 +431,9 @@ impl Chat {
     /// false when that reply is not being generated (it finished, or never started).
     pub fn stop_generation(&self, reply: i64) -> bool {
         let running = lock(&self.running);
-        match running.values().find(|(id, _)| *id == Some(reply)) {
-            Some((_, flag)) => {
-                flag.store(true, Ordering::SeqCst);
+        match running.values().find(|g| g.reply == Some(reply)) {
+            Some(generation) => {
+                generation.stop.store(true, Ordering::SeqCst);
                 true
             }
             None => false,
@@ -450,7 +455,7 @@ impl Chat {
                     "a reply is already being generated in this conversation".into(),
                 ));
             }
-            running.insert(conversation, (None, cancel.clone()));
+            running.insert(conversation, Generation { reply: None, stop: cancel.clone() });
         }
         let result = self.reply_inner(conversation, user, user_view, cancel, on_event).await;
         lock(&self.running).remove(&conversation);
@@ -498,8 +503,8 @@ impl Chat {
             .store
             .append_message(conversation, Some(user), Role::Assistant, "", MessageState::Streaming)
             .await?;
-        if let Some(entry) = lock(&self.running).get_mut(&conversation) {
-            entry.0 = Some(reply.id);
+        if let Some(generation) = lock(&self.running).get_mut(&conversation) {
+            generation.reply = Some(reply.id);
         }
         let placeholder = self.thread_message(reply.clone()).await?;
         on_event(StreamEvent::Started { user: user_view, reply: placeholder });
@@ -685,8 +690,16 @@ fn image_format(bytes: &[u8]) -> Option<(&'static str, &'static str)> {
     }
 }
 
-/// The MIME type of an attachment file name.
-fn mime_of(file: &str) -> &'static str {
+/// Whether `file` can name an imported attachment: letters, digits and dots, not starting with
+/// a dot, so it can never leave the attachment folder.
+pub fn is_attachment_name(file: &str) -> bool {
+    !file.is_empty()
+        && !file.starts_with('.')
+        && file.chars().all(|c| c.is_ascii_alphanumeric() || c == '.')
+}
+
+/// The MIME type of an attachment file name (from the extension it was imported with).
+pub fn attachment_mime(file: &str) -> &'static str {
     match file.rsplit('.').next() {
         Some("jpg") => "image/jpeg",
         Some("webp") => "image/webp",
