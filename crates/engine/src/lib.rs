@@ -29,6 +29,7 @@ pub mod checkpoint;
 pub mod demo;
 mod error;
 pub mod generate;
+pub mod kv_file;
 pub mod models;
 pub mod nn;
 pub mod sampling;

@@ -5,5 +5,6 @@
 mod cache;
 mod errors;
 mod gemma4;
+mod kv_file;
 mod tokenizer;
 mod vision;
