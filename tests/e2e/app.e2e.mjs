@@ -196,6 +196,13 @@ async function main() {
     assert.equal(v.messages[2].text, "What is in this picture?");
     await s.waitFor("the thumbnail after relaunch", async () => (await view(s)).messages[2].thumbs[0] === 640);
     await shot(s, "relaunched");
+    // The next turn resumes from the KV checkpoint saved with the conversation.
+    await send(s, "One more thing.");
+    const next = await waitForReply(s, 3);
+    assert.equal(last(next, "assistant").state, "complete");
+    assert.match(last(next, "assistant").stats, /resumed/);
+    assert.match(last(next, "assistant").stats, /\d+ reused \+ \d+ prefilled/);
+    await shot(s, "resumed-after-relaunch");
   } finally {
     await s.quit();
   }

@@ -56,7 +56,7 @@ beforeEach(() => {
       ...reply,
       state: "complete",
       content: "Hello **world**",
-      stats: { stop_reason: "stop", prompt_tokens: 12, generated_tokens: 34, ttft_ms: 123, decode_tok_s: 45.6, peak_mem_bytes: 0 },
+      stats: { stop_reason: "stop", prompt_tokens: 12, reused_tokens: 0, resumed: false, generated_tokens: 34, ttft_ms: 123, decode_tok_s: 45.6, peak_mem_bytes: 0 },
     };
     onEvent.onmessage({ kind: "done", reply: final });
     conv = { ...conv, title: text, messages: [user, final] };

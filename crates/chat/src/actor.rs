@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use engine::generate::{Flow, GenerateRequest, StopReason, generate};
+use engine::generate::{Flow, GenerateRequest, StopReason, generate, image_runs, prefill};
+use engine::kv_file::{self, Identity};
 use engine::models::{self, Model};
 use engine::sampling::SamplingParams;
 use engine::tokenizer::{Content, Message, Part, TextStream, Tokenizer};
@@ -15,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::view::ErrorKind;
 
 /// What a loaded model can do, for the UI.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelInfo {
     /// The model folder.
     pub path: PathBuf,
@@ -23,21 +24,58 @@ pub struct ModelInfo {
     pub vision: bool,
     /// Its context length.
     pub max_context: usize,
+    /// Who its KV checkpoints belong to (the folder and the SHA-256 of its config).
+    pub identity: Identity,
+}
+
+/// A message of the conversation to answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TurnMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// Its text.
+    pub text: String,
+    /// Its images, in order (placed before the text).
+    pub images: Vec<PathBuf>,
+}
+
+/// A checkpoint the reply may resume from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumeCandidate {
+    /// Its index row.
+    pub id: i64,
+    /// Its file.
+    pub path: PathBuf,
+    /// The file's recorded SHA-256.
+    pub sha256: String,
+    /// The token ids its caches hold.
+    pub tokens: Vec<u32>,
 }
 
 /// One reply to generate.
 #[derive(Debug, Clone)]
 pub struct ReplyRequest {
     /// The conversation so far, last message the user's.
-    pub messages: Vec<(String, String)>,
-    /// Images of the last user message, in order.
-    pub images: Vec<PathBuf>,
+    pub messages: Vec<TurnMessage>,
     /// Sampling settings.
     pub sampling: SamplingParams,
     /// Most tokens to generate.
     pub max_tokens: usize,
     /// Soft tokens per image.
     pub max_soft_tokens: usize,
+    /// Checkpoints of this conversation's earlier nodes, longest first.
+    pub resume: Vec<ResumeCandidate>,
+    /// Where to write the checkpoint of the conversation after this reply (`None`: don't).
+    pub checkpoint_to: Option<PathBuf>,
+}
+
+/// A checkpoint written after a reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrittenCheckpoint {
+    /// The file.
+    pub file: kv_file::Written,
+    /// The token ids its caches hold.
+    pub tokens: Vec<u32>,
 }
 
 /// What a reply emits while it is generated.
@@ -50,6 +88,14 @@ pub enum ReplyEvent {
     },
     /// Generation ended.
     Done {
+        /// Prompt tokens restored from a checkpoint instead of prefilled.
+        reused_tokens: usize,
+        /// The checkpoint resumed from.
+        resumed_from: Option<i64>,
+        /// The checkpoint written after the reply.
+        checkpoint: Option<WrittenCheckpoint>,
+        /// Checkpoints found damaged or foreign on the way (id, why): the caller drops them.
+        rejected: Vec<(i64, String)>,
         /// `stop`, `length` or `stopped`.
         stop_reason: String,
         /// Prompt tokens.
@@ -199,12 +245,112 @@ fn load(
     if cancel.load(Ordering::SeqCst) {
         return Err(Error::Cancelled);
     }
+    let config = std::fs::read(path.join("config.json")).map_err(|e| Error::Reported {
+        kind: ErrorKind::ModelLoad,
+        message: format!("config.json: {e}"),
+    })?;
     let info = ModelInfo {
         path: path.to_path_buf(),
         vision: model.image_token_id().is_some(),
         max_context: model.max_context(),
+        identity: Identity {
+            model_id: path.to_string_lossy().into_owned(),
+            config_hash: kv_file::sha256_hex(&config),
+        },
     };
     Ok(Loaded { model, tokenizer, info })
+}
+
+/// The rendered, image-expanded token ids of `messages` (with the generation prompt when
+/// `open`), and each image prepared, in prompt order.
+fn render(
+    loaded: &Loaded,
+    messages: &[TurnMessage],
+    prepared: &[engine::vision::gemma4::PreparedImage],
+    open: bool,
+) -> Result<Vec<u32>> {
+    let model = loaded.model.as_ref();
+    let messages: Vec<Message> = messages
+        .iter()
+        .map(|m| {
+            if m.images.is_empty() {
+                Message::text(&m.role, &m.text)
+            } else {
+                let mut parts = vec![Part::Image; m.images.len()];
+                parts.push(Part::Text { text: m.text.clone() });
+                Message { role: m.role.clone(), content: Content::Parts(parts) }
+            }
+        })
+        .collect();
+    let tokens = loaded.tokenizer.encode_chat(&messages, open)?;
+    if prepared.is_empty() {
+        return Ok(tokens);
+    }
+    let (Some(image), Some((boi, eoi))) = (model.image_token_id(), model.boi_eoi()) else {
+        return Err(Error::Invalid("this model does not take images".into()));
+    };
+    let counts: Vec<usize> = prepared.iter().map(|p| p.soft_tokens).collect();
+    Ok(engine::vision::gemma4::expand_image_tokens(&tokens, image, boi, eoi, &counts)?)
+}
+
+/// Where a cut at `at` would fall inside a run of image tokens, the run's start instead (a
+/// block is never split).
+fn cut_outside_images(tokens: &[u32], image: Option<u32>, at: usize) -> usize {
+    let Some(image) = image else { return at };
+    image_runs(tokens, image)
+        .into_iter()
+        .find(|&(start, len)| start < at && at < start + len)
+        .map_or(at, |(start, _)| start)
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Restores the longest usable checkpoint into `caches`: one whose tokens share a prefix with
+/// `prompt` (trimmed back to that prefix where the storages allow). Returns the positions
+/// reused and the checkpoint's id; damaged or foreign files are added to `rejected`.
+fn resume(
+    loaded: &Loaded,
+    candidates: &[ResumeCandidate],
+    prompt: &[u32],
+    caches: &mut Vec<Box<dyn engine::cache::AttentionCache>>,
+    rejected: &mut Vec<(i64, String)>,
+) -> Result<(usize, Option<i64>)> {
+    let model = loaded.model.as_ref();
+    for candidate in candidates {
+        let shared = common_prefix(&candidate.tokens, prompt).min(prompt.len() - 1);
+        let keep = cut_outside_images(prompt, model.image_token_id(), shared);
+        if keep == 0 {
+            continue;
+        }
+        let mut restored = model.new_caches()?;
+        let read =
+            kv_file::read(&candidate.path, &candidate.sha256, &loaded.info.identity, &mut restored);
+        let tokens = match read {
+            Ok(tokens) => tokens,
+            Err(error) => {
+                rejected.push((candidate.id, error.to_string()));
+                continue;
+            }
+        };
+        if tokens != candidate.tokens {
+            rejected.push((candidate.id, "its tokens differ from the index".into()));
+            continue;
+        }
+        let drop = tokens.len() - keep;
+        if drop > 0 {
+            if !restored.iter().all(|c| c.is_trimmable()) {
+                continue;
+            }
+            for cache in &mut restored {
+                cache.trim(drop)?;
+            }
+        }
+        *caches = restored;
+        return Ok((keep, Some(candidate.id)));
+    }
+    Ok((0, None))
 }
 
 fn reply(
@@ -215,43 +361,17 @@ fn reply(
 ) {
     let outcome = (|| -> Result<()> {
         let model = loaded.model.as_ref();
-        // Images first: a bad file fails here, before any prompt work.
-        let mut features = Vec::new();
-        for path in &request.images {
+        // Every image of the conversation is read and sized first: a bad file fails here,
+        // before any prompt work. Only those after the restored prefix are encoded.
+        let mut prepared = Vec::new();
+        for path in request.messages.iter().flat_map(|m| &m.images) {
             if model.image_token_id().is_none() {
                 return Err(Error::Invalid("this model does not take images".into()));
             }
             let rgb = engine::vision::image::load_rgb(path)?;
-            let prepared = engine::vision::gemma4::preprocess(&rgb, request.max_soft_tokens)?;
-            features.push(model.encode_image(&prepared.pixels)?);
+            prepared.push(engine::vision::gemma4::preprocess(&rgb, request.max_soft_tokens)?);
         }
-        let last = request.messages.len().saturating_sub(1);
-        let messages: Vec<Message> = request
-            .messages
-            .iter()
-            .enumerate()
-            .map(|(i, (role, text))| {
-                if i == last && !features.is_empty() {
-                    let mut parts = vec![Part::Image; features.len()];
-                    parts.push(Part::Text { text: text.clone() });
-                    Message { role: role.clone(), content: Content::Parts(parts) }
-                } else {
-                    Message::text(role, text)
-                }
-            })
-            .collect();
-        let mut prompt = loaded.tokenizer.encode_chat(&messages, true)?;
-        if !features.is_empty() {
-            let (Some(image), Some((boi, eoi))) = (model.image_token_id(), model.boi_eoi()) else {
-                return Err(Error::Invalid("this model does not take images".into()));
-            };
-            let counts: Vec<usize> = features
-                .iter()
-                .map(|f| f.dim(0).map(|n| n as usize))
-                .collect::<mlx::Result<_>>()?;
-            prompt =
-                engine::vision::gemma4::expand_image_tokens(&prompt, image, boi, eoi, &counts)?;
-        }
+        let prompt = render(loaded, &request.messages, &prepared, true)?;
         let limit = model.max_context();
         if prompt.len() >= limit {
             return Err(Error::Reported {
@@ -267,30 +387,61 @@ fn reply(
         let max_tokens = request.max_tokens.min(limit - prompt.len());
         let mut stop_tokens = model.eos_token_ids();
         stop_tokens.extend_from_slice(loaded.tokenizer.stop_tokens());
+
+        let mut caches = model.new_caches()?;
+        let mut rejected = Vec::new();
+        let (reused, resumed_from) =
+            resume(loaded, &request.resume, &prompt, &mut caches, &mut rejected)?;
+        let runs = model.image_token_id().map(|t| image_runs(&prompt, t)).unwrap_or_default();
+        let mut images = Vec::new();
+        for ((start, _), image) in runs.iter().zip(&prepared) {
+            if *start >= reused {
+                images.push(model.encode_image(&image.pixels)?);
+            }
+        }
         let generation = GenerateRequest {
             sampling: request.sampling.clone(),
             stop_tokens: stop_tokens.clone(),
-            images: features,
-            ..GenerateRequest::new(prompt, max_tokens)
+            images,
+            ..GenerateRequest::new(prompt[reused..].to_vec(), max_tokens)
         };
-        let mut caches = model.new_caches()?;
         let mut stream = TextStream::new(&loaded.tokenizer, Vec::new());
+        let mut text = String::new();
         let result = generate(model, &mut caches, &generation, |token| {
             if !stop_tokens.contains(&token)
-                && let Ok((text, _)) = stream.push(token)
-                && !text.is_empty()
+                && let Ok((piece, _)) = stream.push(token)
+                && !piece.is_empty()
             {
-                let _ = events.send(ReplyEvent::Text { text });
+                text.push_str(&piece);
+                let _ = events.send(ReplyEvent::Text { text: piece });
             }
             if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
         })?;
+        let checkpoint = match &request.checkpoint_to {
+            Some(path) => {
+                let held: Vec<u32> = prompt
+                    .iter()
+                    .chain(&result.tokens)
+                    .copied()
+                    .take(caches.first().map_or(0, |c| c.offset()))
+                    .collect();
+                let mut turn = request.messages.clone();
+                turn.push(TurnMessage { role: "assistant".into(), text, images: Vec::new() });
+                checkpoint_after(loaded, &turn, &prepared, held, &mut caches, path)?
+            }
+            None => None,
+        };
         let s = &result.stats;
         let _ = events.send(ReplyEvent::Done {
+            reused_tokens: reused,
+            resumed_from,
+            checkpoint,
+            rejected,
             stop_reason: match result.stop_reason {
                 StopReason::Stopped => "stopped".into(),
                 other => other.as_str().into(),
             },
-            prompt_tokens: s.prompt_tokens,
+            prompt_tokens: prompt.len(),
             generated_tokens: s.generated_tokens,
             ttft_ms: s.ttft_ms,
             decode_tok_s: s.decode_tok_s,
@@ -301,4 +452,39 @@ fn reply(
     if let Err(error) = outcome {
         let _ = events.send(ReplyEvent::Failed { message: error.to_string(), kind: error.kind() });
     }
+}
+
+/// Brings `caches` (holding `held`) to the turn boundary the next prompt will start with —
+/// `turn` rendered without a generation prompt — and writes them to `path`. The reply's own
+/// tokens may re-tokenize differently: the caches are trimmed back to the shared prefix where
+/// the storages allow it; where they cannot (a ring that wrapped), no checkpoint is written
+/// and the next turn resumes from an earlier one.
+fn checkpoint_after(
+    loaded: &Loaded,
+    turn: &[TurnMessage],
+    prepared: &[engine::vision::gemma4::PreparedImage],
+    held: Vec<u32>,
+    caches: &mut [Box<dyn engine::cache::AttentionCache>],
+    path: &std::path::Path,
+) -> Result<Option<WrittenCheckpoint>> {
+    let boundary = render(loaded, turn, prepared, false)?;
+    let keep = cut_outside_images(
+        &boundary,
+        loaded.model.image_token_id(),
+        common_prefix(&held, &boundary),
+    );
+    let drop = held.len() - keep;
+    if drop > 0 {
+        if !caches.iter().all(|c| c.is_trimmable()) {
+            return Ok(None);
+        }
+        for cache in caches.iter_mut() {
+            cache.trim(drop)?;
+        }
+    }
+    if boundary.len() > keep {
+        prefill(loaded.model.as_ref(), caches, &boundary[keep..], 512)?;
+    }
+    let file = kv_file::write(path, caches, &boundary, &loaded.info.identity)?;
+    Ok(Some(WrittenCheckpoint { file, tokens: boundary }))
 }

@@ -23,7 +23,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub use actor::{Engine, ModelInfo, ReplyEvent, ReplyRequest};
+pub use actor::{
+    Engine, ModelInfo, ReplyEvent, ReplyRequest, ResumeCandidate, TurnMessage, WrittenCheckpoint,
+};
+use engine::kv_file::Identity;
 use engine::sampling::SamplingParams;
 pub use error::{Error, Result};
 use sha2::Digest;
@@ -42,6 +45,8 @@ const SAVE_EVERY: usize = 8;
 const NEW_TITLE: &str = "New chat";
 /// Largest image accepted, bytes.
 pub const MAX_IMAGE_BYTES: usize = 50 << 20;
+/// Default disk budget for KV checkpoints.
+pub const DEFAULT_CHECKPOINT_BUDGET: u64 = 10 << 30;
 /// The app setting holding the last model loaded.
 const LAST_MODEL: &str = "last_model";
 
@@ -57,6 +62,12 @@ pub struct Chat {
     running: Arc<Mutex<HashMap<i64, Generation>>>,
     loaded: Arc<Mutex<Option<LoadedModel>>>,
     loading: Arc<Mutex<Option<Arc<AtomicBool>>>>,
+    /// The loaded model's checkpoint identity.
+    identity: Arc<Mutex<Option<Identity>>>,
+    /// Most bytes of checkpoint files kept; the least recently used go first.
+    checkpoint_budget: u64,
+    /// Whether replies resume from and write KV checkpoints.
+    checkpoints: bool,
 }
 
 /// A reply in flight.
@@ -89,6 +100,9 @@ impl Chat {
             running: Arc::default(),
             loaded: Arc::default(),
             loading: Arc::default(),
+            identity: Arc::default(),
+            checkpoint_budget: DEFAULT_CHECKPOINT_BUDGET,
+            checkpoints: true,
         })
     }
 
@@ -114,6 +128,23 @@ impl Chat {
     /// Where the database and the attachments live.
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
+    }
+
+    /// Sets the disk budget for KV checkpoint files (default 10 GiB).
+    pub fn with_checkpoint_budget(mut self, bytes: u64) -> Chat {
+        self.checkpoint_budget = bytes;
+        self
+    }
+
+    /// Turns KV checkpoints off (every turn re-prefills the whole conversation) or on.
+    pub fn with_checkpoints(mut self, enabled: bool) -> Chat {
+        self.checkpoints = enabled;
+        self
+    }
+
+    /// The folder of KV checkpoint files (`<conversation>/<reply>.safetensors`).
+    pub fn checkpoints_dir(&self) -> PathBuf {
+        self.data_dir.join("checkpoints")
     }
 
     /// The folder of imported images.
@@ -183,7 +214,12 @@ impl Chat {
             return Err(Error::Busy("stop the reply before deleting the conversation".into()));
         }
         let files = self.store.conversation_attachment_paths(id).await?;
+        let checkpoints = self.store.checkpoint_paths(id).await?;
         self.store.delete_conversation(id).await?;
+        for file in checkpoints {
+            let _ = std::fs::remove_file(self.checkpoints_dir().join(file));
+        }
+        let _ = std::fs::remove_dir(self.checkpoints_dir().join(id.to_string()));
         for file in files {
             if self.store.attachment_references(&file).await? == 0 {
                 let _ = std::fs::remove_file(self.attachments_dir().join(&file));
@@ -473,22 +509,59 @@ impl Chat {
         let chat = self.store.conversation(conversation).await?;
         let mut messages = Vec::new();
         if let Some(system) = chat.system_prompt.as_deref().filter(|s| !s.trim().is_empty()) {
-            messages.push(("system".to_string(), system.to_string()));
+            messages.push(TurnMessage {
+                role: "system".into(),
+                text: system.into(),
+                images: Vec::new(),
+            });
         }
-        for m in self.store.path_to(user).await? {
-            messages.push((m.role.as_str().to_string(), m.content));
+        let path = self.store.path_to(user).await?;
+        for m in &path {
+            let images = self
+                .store
+                .attachments(m.id)
+                .await?
+                .into_iter()
+                .map(|a| self.attachments_dir().join(a.path))
+                .collect();
+            messages.push(TurnMessage {
+                role: m.role.as_str().to_string(),
+                text: m.content.clone(),
+                images,
+            });
         }
-        let images = self
-            .store
-            .attachments(user)
-            .await?
-            .into_iter()
-            .map(|a| self.attachments_dir().join(a.path))
-            .collect();
+        // Checkpoints of this branch's earlier nodes, by this very model, longest first.
+        let identity = lock(&self.identity).clone().filter(|_| self.checkpoints);
+        let mut resume = Vec::new();
+        if let Some(identity) = &identity {
+            let ancestors: Vec<i64> = path.iter().map(|m| m.id).collect();
+            for c in self
+                .store
+                .checkpoints(conversation, &identity.model_id, &identity.config_hash)
+                .await?
+            {
+                if ancestors.contains(&c.message_id) {
+                    resume.push(ResumeCandidate {
+                        id: c.id,
+                        path: self.checkpoints_dir().join(&c.path),
+                        sha256: c.sha256,
+                        tokens: c.tokens,
+                    });
+                }
+            }
+        }
         let settings = settings_of(&chat.settings);
+        let reply = self
+            .store
+            .append_message(conversation, Some(user), Role::Assistant, "", MessageState::Streaming)
+            .await?;
+        let checkpoint_file = format!("{conversation}/{}.safetensors", reply.id);
         let request = ReplyRequest {
             messages,
-            images,
+            resume,
+            checkpoint_to: identity
+                .is_some()
+                .then(|| self.checkpoints_dir().join(&checkpoint_file)),
             sampling: SamplingParams {
                 temperature: settings.temperature,
                 top_p: settings.top_p,
@@ -499,10 +572,6 @@ impl Chat {
             max_tokens: settings.max_tokens as usize,
             max_soft_tokens: settings.max_soft_tokens as usize,
         };
-        let reply = self
-            .store
-            .append_message(conversation, Some(user), Role::Assistant, "", MessageState::Streaming)
-            .await?;
         if let Some(generation) = lock(&self.running).get_mut(&conversation) {
             generation.reply = Some(reply.id);
         }
@@ -523,6 +592,10 @@ impl Chat {
                     }
                 }
                 ReplyEvent::Done {
+                    reused_tokens,
+                    resumed_from,
+                    checkpoint,
+                    rejected,
                     stop_reason,
                     prompt_tokens,
                     generated_tokens,
@@ -530,6 +603,15 @@ impl Chat {
                     decode_tok_s,
                     peak_mem_bytes,
                 } => {
+                    self.after_reply(
+                        conversation,
+                        reply.id,
+                        &checkpoint_file,
+                        checkpoint,
+                        resumed_from,
+                        rejected,
+                    )
+                    .await?;
                     let state = if stop_reason == "stopped" {
                         MessageState::Stopped
                     } else {
@@ -537,6 +619,8 @@ impl Chat {
                     };
                     let stats = ReplyStats {
                         stop_reason,
+                        reused_tokens: reused_tokens as u32,
+                        resumed: resumed_from.is_some(),
                         prompt_tokens: prompt_tokens as u32,
                         generated_tokens: generated_tokens as u32,
                         ttft_ms,
@@ -562,6 +646,76 @@ impl Chat {
         }
         self.store.finish_reply(reply.id, &text, MessageState::Error, None).await?;
         Err(Error::Engine("the engine stopped in the middle of a reply".into()))
+    }
+
+    /// Indexes the checkpoint a reply wrote, marks the one it resumed from as used, drops
+    /// the ones found damaged, and keeps the files within the disk budget.
+    async fn after_reply(
+        &self,
+        conversation: i64,
+        reply: i64,
+        file: &str,
+        written: Option<WrittenCheckpoint>,
+        resumed_from: Option<i64>,
+        rejected: Vec<(i64, String)>,
+    ) -> Result<()> {
+        for (id, why) in rejected {
+            tracing::warn!(checkpoint = id, "discarding a KV checkpoint: {why}");
+            self.drop_checkpoint(id).await?;
+        }
+        if let Some(id) = resumed_from {
+            self.store.touch_checkpoint(id).await?;
+        }
+        let identity = lock(&self.identity).clone();
+        let (Some(written), Some(identity)) = (written, identity) else { return Ok(()) };
+        let new = self
+            .store
+            .add_checkpoint(&store::Checkpoint {
+                id: 0,
+                conversation_id: conversation,
+                message_id: reply,
+                model_id: identity.model_id,
+                config_hash: identity.config_hash,
+                cache_signature: written.file.signature,
+                prefix_hash: engine::kv_file::tokens_hash(&written.tokens),
+                tokens: written.tokens,
+                path: file.to_string(),
+                bytes: written.file.bytes as i64,
+                sha256: written.file.sha256,
+                created_at: 0,
+                last_used_at: 0,
+            })
+            .await?;
+        self.enforce_checkpoint_budget(new).await
+    }
+
+    /// Deletes the least recently used checkpoints (never `keep`) until the files fit the
+    /// budget.
+    async fn enforce_checkpoint_budget(&self, keep: i64) -> Result<()> {
+        let all = self.store.checkpoints_by_use().await?;
+        let mut total: u64 = all.iter().map(|c| c.bytes as u64).sum();
+        for c in all {
+            if total <= self.checkpoint_budget {
+                break;
+            }
+            if c.id == keep {
+                continue;
+            }
+            tracing::info!(checkpoint = c.id, bytes = c.bytes, "evicting a KV checkpoint");
+            self.store.delete_checkpoint(c.id).await?;
+            let _ = std::fs::remove_file(self.checkpoints_dir().join(&c.path));
+            total -= c.bytes as u64;
+        }
+        Ok(())
+    }
+
+    async fn drop_checkpoint(&self, id: i64) -> Result<()> {
+        let found = self.store.checkpoints_by_use().await?.into_iter().find(|c| c.id == id);
+        self.store.delete_checkpoint(id).await?;
+        if let Some(c) = found {
+            let _ = std::fs::remove_file(self.checkpoints_dir().join(c.path));
+        }
+        Ok(())
     }
 
     // ---- models ----
@@ -654,6 +808,7 @@ impl Chat {
             max_context: info.max_context as u32,
         };
         *lock(&self.loaded) = Some(model.clone());
+        *lock(&self.identity) = Some(info.identity.clone());
         self.store.set_setting(LAST_MODEL, &model.path).await?;
         on_event(LoadEvent::Done { model: model.clone() });
         Ok(model)

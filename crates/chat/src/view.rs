@@ -12,6 +12,12 @@ pub struct ReplyStats {
     pub stop_reason: String,
     /// Tokens in the prompt, images included.
     pub prompt_tokens: u32,
+    /// Prompt tokens restored from a KV checkpoint (the rest were prefilled).
+    #[serde(default)]
+    pub reused_tokens: u32,
+    /// Whether the reply resumed from a KV checkpoint.
+    #[serde(default)]
+    pub resumed: bool,
     /// Tokens generated.
     pub generated_tokens: u32,
     /// Time to the first token, ms.

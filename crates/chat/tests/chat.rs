@@ -347,3 +347,148 @@ async fn a_cancelled_load_keeps_the_model_that_was_there() {
         MessageState::Complete
     );
 }
+
+/// Long enough that a few turns outgrow the demo model's sliding window (512).
+fn long_message(turn: usize) -> String {
+    format!("Turn {turn}. ") + &"Tell me about quinces, pears and apples in the autumn. ".repeat(14)
+}
+
+async fn converse(chat: &Chat, c: i64, turns: usize, image: Option<&str>) -> Vec<ThreadMessage> {
+    let mut replies = Vec::new();
+    for turn in 0..turns {
+        let files: Vec<String> =
+            if turn == 1 { image.map(String::from).into_iter().collect() } else { Vec::new() };
+        replies.push(chat.send(c, &long_message(turn), &files, |_| {}).await.unwrap());
+    }
+    replies
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn checkpoints_resume_reopened_conversations_with_the_output_of_a_cold_run() {
+    let f = fixture();
+    let (chat, c) = ready(&f, 12).await;
+    let image = std::fs::read(root().join("tests/golden/vision/images/rgb_640x480.png")).unwrap();
+    let image = chat.import_attachment(&image, "photo.png").await.unwrap().file;
+    let warm = converse(&chat, c, 3, Some(&image)).await;
+    let stats: Vec<_> = warm.iter().map(|r| r.stats.clone().unwrap()).collect();
+    assert!(!stats[0].resumed && stats[0].reused_tokens == 0, "nothing to resume from at first");
+    for s in &stats[1..] {
+        assert!(s.resumed && s.reused_tokens > 100, "later turns resume: {s:?}");
+        assert!(s.reused_tokens < s.prompt_tokens);
+    }
+    assert!(stats[2].prompt_tokens > 512, "the conversation outgrew the sliding window");
+    let files = std::fs::read_dir(chat.checkpoints_dir().join(c.to_string())).unwrap().count();
+    assert!(files >= 2, "{files} checkpoint files");
+    drop(chat);
+
+    // Reopened in a new process: the next turn resumes from disk.
+    let reopened = Chat::open(&f.data).await.unwrap().with_hf_cache(None);
+    reopened.load_model(&f.model, |_| {}).await.unwrap();
+    let fourth = reopened.send(c, &long_message(3), &[], |_| {}).await.unwrap();
+    assert!(fourth.stats.as_ref().unwrap().resumed, "resumed after a restart");
+
+    // Cold: the same conversation with checkpoints off gives the same bytes.
+    let g = fixture();
+    let cold_chat = Chat::open(&g.data).await.unwrap().with_hf_cache(None).with_checkpoints(false);
+    cold_chat.load_model(&g.model, |_| {}).await.unwrap();
+    let cold_c = cold_chat.create_conversation().await.unwrap().id;
+    cold_chat.set_settings(cold_c, &greedy(12)).await.unwrap();
+    let image = std::fs::read(root().join("tests/golden/vision/images/rgb_640x480.png")).unwrap();
+    let image = cold_chat.import_attachment(&image, "photo.png").await.unwrap().file;
+    let mut cold = converse(&cold_chat, cold_c, 3, Some(&image)).await;
+    cold.push(cold_chat.send(cold_c, &long_message(3), &[], |_| {}).await.unwrap());
+    let warm_text: Vec<&str> = warm.iter().chain([&fourth]).map(|r| r.content.as_str()).collect();
+    let cold_text: Vec<&str> = cold.iter().map(|r| r.content.as_str()).collect();
+    assert_eq!(warm_text, cold_text, "resumed replies are byte-identical to cold ones");
+    assert!(cold.iter().all(|r| !r.stats.as_ref().unwrap().resumed));
+    assert!(
+        !cold_chat.checkpoints_dir().exists()
+            || std::fs::read_dir(cold_chat.checkpoints_dir()).unwrap().count() == 0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn damaged_and_missing_checkpoints_are_dropped_and_the_turn_runs_cold() {
+    let f = fixture();
+    let (chat, c) = ready(&f, 6).await;
+    let first = chat.send(c, "Hello there.", &[], |_| {}).await.unwrap();
+    let dir = chat.checkpoints_dir().join(c.to_string());
+    let file = dir.join(format!("{}.safetensors", first.id));
+    // One flipped bit: detected by the file hash; the turn runs cold and the row is dropped.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    let second = chat.send(c, "And again.", &[], |_| {}).await.unwrap();
+    let stats = second.stats.unwrap();
+    assert!(!stats.resumed && stats.reused_tokens == 0, "{stats:?}");
+    assert!(!file.exists(), "the damaged file is deleted");
+    // A row whose file is gone: same.
+    let second_file = dir.join(format!("{}.safetensors", second.id));
+    std::fs::remove_file(&second_file).unwrap();
+    let third = chat.send(c, "Once more.", &[], |_| {}).await.unwrap();
+    assert!(!third.stats.unwrap().resumed);
+    // And the replies are those of a checkpoint-free run.
+    let g = fixture();
+    let cold = Chat::open(&g.data).await.unwrap().with_hf_cache(None).with_checkpoints(false);
+    cold.load_model(&g.model, |_| {}).await.unwrap();
+    let k = cold.create_conversation().await.unwrap().id;
+    cold.set_settings(k, &greedy(6)).await.unwrap();
+    for (text, warm) in [
+        ("Hello there.", &first.content),
+        ("And again.", &second.content),
+        ("Once more.", &third.content),
+    ] {
+        assert_eq!(&cold.send(k, text, &[], |_| {}).await.unwrap().content, warm);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_checkpoint_budget_holds_and_deleting_a_conversation_deletes_its_checkpoints() {
+    let f = fixture();
+    let (probe, c) = ready(&f, 4).await;
+    probe.send(c, "How big is one checkpoint?", &[], |_| {}).await.unwrap();
+    let one = std::fs::read_dir(probe.checkpoints_dir().join(c.to_string()))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .max()
+        .unwrap();
+    drop(probe);
+    let budget = one * 5 / 2;
+    let chat =
+        Chat::open(&f.data).await.unwrap().with_hf_cache(None).with_checkpoint_budget(budget);
+    chat.load_model(&f.model, |_| {}).await.unwrap();
+    let d = chat.create_conversation().await.unwrap().id;
+    chat.set_settings(d, &greedy(4)).await.unwrap();
+    let mut last = 0;
+    for turn in 0..6 {
+        last = chat.send(d, &format!("Message number {turn}."), &[], |_| {}).await.unwrap().id;
+        let rows = chat.store().checkpoints_by_use().await.unwrap();
+        let on_disk: u64 =
+            walk(&chat.checkpoints_dir()).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
+        let indexed: u64 = rows.iter().map(|r| r.bytes as u64).sum();
+        assert_eq!(on_disk, indexed, "turn {turn}: the files are exactly the indexed ones");
+        assert!(
+            indexed <= budget || rows.len() == 1,
+            "turn {turn}: {indexed} bytes in {} checkpoints, budget {budget}",
+            rows.len()
+        );
+    }
+    let rows = chat.store().checkpoints_by_use().await.unwrap();
+    assert!(rows.len() < 6, "older ones were evicted: {}", rows.len());
+    assert_eq!(rows.last().unwrap().message_id, last, "the newest is kept");
+    chat.delete(d).await.unwrap();
+    assert!(!chat.checkpoints_dir().join(d.to_string()).exists());
+}
+
+fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.path().is_dir() {
+            files.extend(walk(&entry.path()));
+        } else {
+            files.push(entry.path());
+        }
+    }
+    files
+}

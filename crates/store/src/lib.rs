@@ -37,7 +37,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Row, SqlitePool};
 
 pub use error::{Error, Result};
-pub use model::{Attachment, Conversation, Message, MessageState, Role};
+pub use model::{Attachment, Checkpoint, Conversation, Message, MessageState, Role};
 
 /// Milliseconds since the Unix epoch; injectable so tests control time.
 pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
@@ -535,6 +535,86 @@ impl Store {
             .bind(path)
             .fetch_one(&self.pool)
             .await?)
+    }
+
+    // ---- KV checkpoints ----
+
+    /// Indexes a checkpoint whose file is already complete (`id` and the times are ignored).
+    pub async fn add_checkpoint(&self, c: &Checkpoint) -> Result<i64> {
+        let tokens: Vec<u8> = c.tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let now = self.now();
+        let done = sqlx::query(
+            "INSERT INTO kv_checkpoints (conversation_id, message_id, model_id, config_hash, \
+             cache_signature, token_count, prefix_hash, tokens, path, bytes, sha256, created_at, \
+             last_used_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(c.conversation_id)
+        .bind(c.message_id)
+        .bind(&c.model_id)
+        .bind(&c.config_hash)
+        .bind(&c.cache_signature)
+        .bind(c.tokens.len() as i64)
+        .bind(&c.prefix_hash)
+        .bind(tokens)
+        .bind(&c.path)
+        .bind(c.bytes)
+        .bind(&c.sha256)
+        .bind(now)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.last_insert_rowid())
+    }
+
+    /// A conversation's checkpoints written by `model_id` with `config_hash`, longest first.
+    pub async fn checkpoints(
+        &self,
+        conversation: i64,
+        model_id: &str,
+        config_hash: &str,
+    ) -> Result<Vec<Checkpoint>> {
+        let rows = sqlx::query(
+            "SELECT * FROM kv_checkpoints WHERE conversation_id = ? AND model_id = ? \
+             AND config_hash = ? ORDER BY token_count DESC, id DESC",
+        )
+        .bind(conversation)
+        .bind(model_id)
+        .bind(config_hash)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(Checkpoint::from_row).collect()
+    }
+
+    /// Every checkpoint, least recently used first (the eviction order).
+    pub async fn checkpoints_by_use(&self) -> Result<Vec<Checkpoint>> {
+        let rows = sqlx::query("SELECT * FROM kv_checkpoints ORDER BY last_used_at, id")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(Checkpoint::from_row).collect()
+    }
+
+    /// The paths of a conversation's checkpoint files.
+    pub async fn checkpoint_paths(&self, conversation: i64) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar("SELECT path FROM kv_checkpoints WHERE conversation_id = ?")
+            .bind(conversation)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Marks a checkpoint as just used.
+    pub async fn touch_checkpoint(&self, id: i64) -> Result<()> {
+        sqlx::query("UPDATE kv_checkpoints SET last_used_at = ? WHERE id = ?")
+            .bind(self.now())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Removes a checkpoint's row (the caller deletes its file).
+    pub async fn delete_checkpoint(&self, id: i64) -> Result<()> {
+        sqlx::query("DELETE FROM kv_checkpoints WHERE id = ?").bind(id).execute(&self.pool).await?;
+        Ok(())
     }
 
     // ---- the model library and app settings ----

@@ -172,3 +172,58 @@ pub struct Attachment {
     /// Order among the message's attachments.
     pub position: i64,
 }
+
+/// A KV checkpoint's index row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpoint {
+    /// Row id.
+    pub id: i64,
+    /// Its conversation.
+    pub conversation_id: i64,
+    /// The message-tree node its state ends at.
+    pub message_id: i64,
+    /// The model it was written by.
+    pub model_id: String,
+    /// SHA-256 of that model's config.
+    pub config_hash: String,
+    /// The cache stack's geometry.
+    pub cache_signature: String,
+    /// The token ids its caches hold.
+    pub tokens: Vec<u32>,
+    /// SHA-256 of those ids.
+    pub prefix_hash: String,
+    /// File path, relative to the checkpoint folder.
+    pub path: String,
+    /// File size.
+    pub bytes: i64,
+    /// SHA-256 of the file.
+    pub sha256: String,
+    /// Unix ms.
+    pub created_at: i64,
+    /// Unix ms of the last restore (or the write).
+    pub last_used_at: i64,
+}
+
+impl Checkpoint {
+    pub(crate) fn from_row(row: &SqliteRow) -> Result<Checkpoint> {
+        let blob: Vec<u8> = row.try_get("tokens")?;
+        Ok(Checkpoint {
+            id: row.try_get("id")?,
+            conversation_id: row.try_get("conversation_id")?,
+            message_id: row.try_get("message_id")?,
+            model_id: row.try_get("model_id")?,
+            config_hash: row.try_get("config_hash")?,
+            cache_signature: row.try_get("cache_signature")?,
+            tokens: blob
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            prefix_hash: row.try_get("prefix_hash")?,
+            path: row.try_get("path")?,
+            bytes: row.try_get("bytes")?,
+            sha256: row.try_get("sha256")?,
+            created_at: row.try_get("created_at")?,
+            last_used_at: row.try_get("last_used_at")?,
+        })
+    }
+}

@@ -182,6 +182,15 @@ export const Message = memo(function Message({
               {!isUser && !streaming ? (
                 <span className="reply-stats" data-testid="reply-stats">
                   {msg.stats ? statsLine(msg.stats) : null}
+                  {msg.stats?.resumed ? (
+                    <span
+                      className="tag resumed"
+                      data-testid="resumed-tag"
+                      title="The conversation so far came from its saved KV checkpoint instead of being read again"
+                    >
+                      resumed
+                    </span>
+                  ) : null}
                   {msg.state === "stopped" ? <span className="tag">stopped</span> : null}
                   {msg.state === "error" ? (
                     <span className="tag error" title={msg.error ?? undefined}>

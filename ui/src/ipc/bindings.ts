@@ -15,6 +15,14 @@ stop_reason: string,
  */
 prompt_tokens: number, 
 /**
+ * Prompt tokens restored from a KV checkpoint (the rest were prefilled).
+ */
+reused_tokens: number, 
+/**
+ * Whether the reply resumed from a KV checkpoint.
+ */
+resumed: boolean, 
+/**
  * Tokens generated.
  */
 generated_tokens: number, 

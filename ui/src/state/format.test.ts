@@ -7,11 +7,28 @@ describe("statsLine", () => {
       statsLine({
         stop_reason: "eos",
         prompt_tokens: 12,
+        reused_tokens: 0,
+        resumed: false,
         generated_tokens: 34,
         ttft_ms: 123.4,
         decode_tok_s: 45.63,
         peak_mem_bytes: 0,
       }),
     ).toBe("TTFT 123 ms · 45.6 tok/s · 12 prompt + 34 generated tokens");
+  });
+
+  it("splits the prompt into reused and prefilled tokens for a resumed reply", () => {
+    expect(
+      statsLine({
+        stop_reason: "stop",
+        prompt_tokens: 1212,
+        reused_tokens: 1200,
+        resumed: true,
+        generated_tokens: 34,
+        ttft_ms: 9.2,
+        decode_tok_s: 45.63,
+        peak_mem_bytes: 0,
+      }),
+    ).toBe("TTFT 9 ms · 45.6 tok/s · 1,200 reused + 12 prefilled + 34 generated tokens");
   });
 });

@@ -74,6 +74,8 @@ describe("chatReducer", () => {
       stats: {
         stop_reason: "eos",
         prompt_tokens: 3,
+        reused_tokens: 0,
+        resumed: false,
         generated_tokens: 2,
         ttft_ms: 10,
         decode_tok_s: 50,
