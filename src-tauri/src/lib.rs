@@ -111,7 +111,16 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
             app.manage(state);
             Ok(())
         })
-        .run(tauri::generate_context!())
-        .inspect_err(|e| tracing::error!("the app stopped: {e}"))?;
+        .build(tauri::generate_context!())
+        .inspect_err(|e| tracing::error!("the app could not start: {e}"))?
+        .run(|app, event| {
+            // Free the model on its own thread before the process exits.
+            if let tauri::RunEvent::Exit = event
+                && let Some(state) = app.try_state::<AppState>()
+            {
+                state.chat.shutdown();
+                tracing::info!("engine stopped; exiting");
+            }
+        });
     Ok(())
 }

@@ -67,6 +67,10 @@ pub struct ReplyRequest {
     pub resume: Vec<ResumeCandidate>,
     /// Where to write the checkpoint of the conversation after this reply (`None`: don't).
     pub checkpoint_to: Option<PathBuf>,
+    /// The prompt as token ids, verbatim (no template, no tokenizer): raw token conversations.
+    pub raw_prompt: Option<Vec<u32>>,
+    /// Generate past end-of-sequence tokens.
+    pub ignore_eos: bool,
 }
 
 /// A checkpoint written after a reply.
@@ -96,6 +100,10 @@ pub enum ReplyEvent {
         checkpoint: Option<WrittenCheckpoint>,
         /// Checkpoints found damaged or foreign on the way (id, why): the caller drops them.
         rejected: Vec<(i64, String)>,
+        /// The generated ids (a stop token included).
+        tokens: Vec<u32>,
+        /// Prefill speed over the tokens actually prefilled.
+        prefill_tok_s: f64,
         /// `stop`, `length` or `stopped`.
         stop_reason: String,
         /// Prompt tokens.
@@ -130,17 +138,53 @@ enum Command {
         events: mpsc::UnboundedSender<ReplyEvent>,
         cancel: Arc<AtomicBool>,
     },
+    Shutdown,
 }
 
-/// A handle to the engine thread. Cheap to clone.
+/// A handle to the engine thread. Cheap to clone. The thread ends, freeing the model, when
+/// [`Engine::shutdown`] is called or the last handle is dropped; both wait for it, so no MLX
+/// work is still running while the process exits (MLX's globals are torn down at exit).
 #[derive(Clone, Debug)]
 pub struct Engine {
     commands: std::sync::mpsc::Sender<Command>,
+    thread: Arc<EngineThread>,
+}
+
+/// Joins the engine thread when the last handle goes (after its sender has closed the channel).
+#[derive(Debug)]
+struct EngineThread(std::sync::Mutex<Option<std::thread::JoinHandle<()>>>);
+
+impl EngineThread {
+    fn join(&self) {
+        let handle = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(handle) = handle {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for EngineThread {
+    fn drop(&mut self) {
+        self.join();
+    }
+}
+
+impl Loaded {
+    fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().ok_or_else(|| Error::Reported {
+            kind: ErrorKind::ModelLoad,
+            message: format!(
+                "{} has no tokenizer.json: only raw token ids can be sent to it",
+                self.info.path.display()
+            ),
+        })
+    }
 }
 
 struct Loaded {
     model: Box<dyn Model>,
-    tokenizer: Tokenizer,
+    /// Absent for a checkpoint without tokenizer files (raw token conversations only).
+    tokenizer: Option<Tokenizer>,
     info: ModelInfo,
 }
 
@@ -148,12 +192,13 @@ impl Engine {
     /// Starts the engine thread.
     pub fn start() -> Result<Engine> {
         let (commands, inbox) = std::sync::mpsc::channel::<Command>();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("quince-engine".into())
             .spawn(move || {
                 let mut loaded: Option<Loaded> = None;
                 for command in inbox {
                     match command {
+                        Command::Shutdown => break,
                         Command::Load { path, progress, cancel, reply } => {
                             let result = load(&path, &progress, &cancel);
                             let _ = reply.send(
@@ -179,7 +224,14 @@ impl Engine {
                 }
             })
             .map_err(|e| Error::Engine(format!("cannot start the engine thread: {e}")))?;
-        Ok(Engine { commands })
+        Ok(Engine { commands, thread: Arc::new(EngineThread(std::sync::Mutex::new(Some(thread)))) })
+    }
+
+    /// Stops the engine thread after the command it is running and waits for it; later
+    /// commands fail with "the engine stopped".
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+        self.thread.join();
     }
 
     /// Loads the model at `path`, replacing the current one when it succeeds. Stages arrive on
@@ -238,10 +290,7 @@ fn load(
     stage(0)?;
     let model = models::load(path)?;
     stage(1)?;
-    let tokenizer = Tokenizer::from_dir(path)?.ok_or_else(|| Error::Reported {
-        kind: ErrorKind::ModelLoad,
-        message: format!("{} has no tokenizer.json", path.display()),
-    })?;
+    let tokenizer = Tokenizer::from_dir(path)?;
     if cancel.load(Ordering::SeqCst) {
         return Err(Error::Cancelled);
     }
@@ -282,7 +331,7 @@ fn render(
             }
         })
         .collect();
-    let tokens = loaded.tokenizer.encode_chat(&messages, open)?;
+    let tokens = loaded.tokenizer()?.encode_chat(&messages, open)?;
     if prepared.is_empty() {
         return Ok(tokens);
     }
@@ -359,6 +408,8 @@ fn reply(
     events: &mpsc::UnboundedSender<ReplyEvent>,
     cancel: &AtomicBool,
 ) {
+    // TTFT counts everything from here: images, template, the checkpoint read, the prefill.
+    let started = std::time::Instant::now();
     let outcome = (|| -> Result<()> {
         let model = loaded.model.as_ref();
         // Every image of the conversation is read and sized first: a bad file fails here,
@@ -371,7 +422,11 @@ fn reply(
             let rgb = engine::vision::image::load_rgb(path)?;
             prepared.push(engine::vision::gemma4::preprocess(&rgb, request.max_soft_tokens)?);
         }
-        let prompt = render(loaded, &request.messages, &prepared, true)?;
+        let prompt = match &request.raw_prompt {
+            Some(ids) if prepared.is_empty() => ids.clone(),
+            Some(_) => return Err(Error::Invalid("raw token turns take no images".into())),
+            None => render(loaded, &request.messages, &prepared, true)?,
+        };
         let limit = model.max_context();
         if prompt.len() >= limit {
             return Err(Error::Reported {
@@ -386,7 +441,12 @@ fn reply(
         // A reply may use the rest of the context, no more.
         let max_tokens = request.max_tokens.min(limit - prompt.len());
         let mut stop_tokens = model.eos_token_ids();
-        stop_tokens.extend_from_slice(loaded.tokenizer.stop_tokens());
+        if let Some(tokenizer) = &loaded.tokenizer {
+            stop_tokens.extend_from_slice(tokenizer.stop_tokens());
+        }
+        if request.ignore_eos {
+            stop_tokens.clear();
+        }
 
         let mut caches = model.new_caches()?;
         let mut rejected = Vec::new();
@@ -405,10 +465,13 @@ fn reply(
             images,
             ..GenerateRequest::new(prompt[reused..].to_vec(), max_tokens)
         };
-        let mut stream = TextStream::new(&loaded.tokenizer, Vec::new());
+        let mut stream = loaded.tokenizer.as_ref().map(|t| TextStream::new(t, Vec::new()));
         let mut text = String::new();
+        let mut first_token = None;
         let result = generate(model, &mut caches, &generation, |token| {
+            first_token.get_or_insert_with(|| started.elapsed());
             if !stop_tokens.contains(&token)
+                && let Some(stream) = stream.as_mut()
                 && let Ok((piece, _)) = stream.push(token)
                 && !piece.is_empty()
             {
@@ -425,9 +488,20 @@ fn reply(
                     .copied()
                     .take(caches.first().map_or(0, |c| c.offset()))
                     .collect();
-                let mut turn = request.messages.clone();
-                turn.push(TurnMessage { role: "assistant".into(), text, images: Vec::new() });
-                checkpoint_after(loaded, &turn, &prepared, held, &mut caches, path)?
+                let boundary = match &request.raw_prompt {
+                    // Raw turns: the next prompt is this one and the reply, verbatim.
+                    Some(_) => prompt.iter().chain(&result.tokens).copied().collect(),
+                    None => {
+                        let mut turn = request.messages.clone();
+                        turn.push(TurnMessage {
+                            role: "assistant".into(),
+                            text: text.clone(),
+                            images: Vec::new(),
+                        });
+                        render(loaded, &turn, &prepared, false)?
+                    }
+                };
+                checkpoint_after(loaded, boundary, held, &mut caches, path)?
             }
             None => None,
         };
@@ -442,8 +516,10 @@ fn reply(
                 other => other.as_str().into(),
             },
             prompt_tokens: prompt.len(),
+            tokens: result.tokens.clone(),
+            prefill_tok_s: s.prefill_tok_s,
             generated_tokens: s.generated_tokens,
-            ttft_ms: s.ttft_ms,
+            ttft_ms: first_token.map_or(s.ttft_ms, |t| t.as_secs_f64() * 1e3),
             decode_tok_s: s.decode_tok_s,
             peak_mem_bytes: s.peak_mem_bytes,
         });
@@ -455,19 +531,18 @@ fn reply(
 }
 
 /// Brings `caches` (holding `held`) to the turn boundary the next prompt will start with —
-/// `turn` rendered without a generation prompt — and writes them to `path`. The reply's own
+/// the conversation with this reply, rendered without a generation prompt — and writes them to
+/// `path`. The reply's own
 /// tokens may re-tokenize differently: the caches are trimmed back to the shared prefix where
 /// the storages allow it; where they cannot (a ring that wrapped), no checkpoint is written
 /// and the next turn resumes from an earlier one.
 fn checkpoint_after(
     loaded: &Loaded,
-    turn: &[TurnMessage],
-    prepared: &[engine::vision::gemma4::PreparedImage],
+    boundary: Vec<u32>,
     held: Vec<u32>,
     caches: &mut [Box<dyn engine::cache::AttentionCache>],
     path: &std::path::Path,
 ) -> Result<Option<WrittenCheckpoint>> {
-    let boundary = render(loaded, turn, prepared, false)?;
     let keep = cut_outside_images(
         &boundary,
         loaded.model.image_token_id(),

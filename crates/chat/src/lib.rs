@@ -91,6 +91,7 @@ impl Chat {
         std::fs::create_dir_all(data_dir.join("attachments")).map_err(|e| {
             Error::Invalid(format!("cannot create the data folder {}: {e}", data_dir.display()))
         })?;
+        remove_partial_files(&data_dir.join("checkpoints"));
         Ok(Chat {
             store: Store::open(data_dir.join("quince.sqlite3")).await?,
             engine: Engine::start()?,
@@ -104,6 +105,12 @@ impl Chat {
             checkpoint_budget: DEFAULT_CHECKPOINT_BUDGET,
             checkpoints: true,
         })
+    }
+
+    /// Stops the engine (freeing the model) and waits for it: call before the process exits
+    /// while other handles may still be alive.
+    pub fn shutdown(&self) {
+        self.engine.shutdown();
     }
 
     /// Sets the demo model folder shipped with the app (listed first, the default when no
@@ -244,7 +251,26 @@ impl Chat {
                 "temperature must be 0–5, top-p 0–1, and max tokens at least 1".into(),
             ));
         }
-        let value = serde_json::to_value(settings).unwrap_or_default();
+        let mut value = self.store.conversation(id).await?.settings;
+        merge(&mut value, serde_json::to_value(settings).unwrap_or_default());
+        Ok(self.store.set_settings(id, &value).await?)
+    }
+
+    /// Sets the options the CLI uses: `raw_tokens` (turns are token ids, verbatim, no
+    /// template) and `ignore_eos`. A conversation with text messages cannot become raw.
+    pub async fn set_raw_options(&self, id: i64, raw_tokens: bool, ignore_eos: bool) -> Result<()> {
+        let c = self.store.conversation(id).await?;
+        let (was_raw, _) = extras(&c.settings);
+        if raw_tokens != was_raw && c.current_leaf_id.is_some() {
+            return Err(Error::Invalid(
+                "a conversation's messages are either all text or all token ids".into(),
+            ));
+        }
+        let mut value = c.settings;
+        merge(
+            &mut value,
+            serde_json::json!({ "raw_tokens": raw_tokens, "ignore_eos": ignore_eos }),
+        );
         Ok(self.store.set_settings(id, &value).await?)
     }
 
@@ -373,6 +399,9 @@ impl Chat {
         }
         let paths = files.iter().map(|f| self.attachment_path(f)).collect::<Result<Vec<_>>>()?;
         let chat = self.store.conversation(conversation).await?;
+        if extras(&chat.settings).0 {
+            return Err(Error::Invalid("this conversation takes token ids, not text".into()));
+        }
         let user = self
             .store
             .append_message(
@@ -396,6 +425,36 @@ impl Chat {
         }
         self.store.set_model(conversation, &model.name).await?;
         let user = self.thread_message(self.store.message(user.id).await?).await?;
+        self.reply_to(conversation, user.id, Some(user), &mut on_event).await
+    }
+
+    /// Appends token ids, verbatim, as the next turn of a raw conversation (see
+    /// [`Chat::set_raw_options`]) and generates the reply (stored as its ids).
+    pub async fn send_tokens(
+        &self,
+        conversation: i64,
+        ids: &[u32],
+        mut on_event: impl FnMut(StreamEvent),
+    ) -> Result<ThreadMessage> {
+        self.require_model(0)?;
+        if ids.is_empty() {
+            return Err(Error::Invalid("no token ids to send".into()));
+        }
+        let chat = self.store.conversation(conversation).await?;
+        if !extras(&chat.settings).0 {
+            return Err(Error::Invalid("this conversation takes text, not token ids".into()));
+        }
+        let user = self
+            .store
+            .append_message(
+                conversation,
+                chat.current_leaf_id,
+                Role::User,
+                &join_ids(ids),
+                MessageState::Complete,
+            )
+            .await?;
+        let user = self.thread_message(user).await?;
         self.reply_to(conversation, user.id, Some(user), &mut on_event).await
     }
 
@@ -551,6 +610,16 @@ impl Chat {
             }
         }
         let settings = settings_of(&chat.settings);
+        let (raw, ignore_eos) = extras(&chat.settings);
+        let raw_prompt = if raw {
+            let mut ids = Vec::new();
+            for m in &path {
+                ids.extend(parse_ids(&m.content)?);
+            }
+            Some(ids)
+        } else {
+            None
+        };
         let reply = self
             .store
             .append_message(conversation, Some(user), Role::Assistant, "", MessageState::Streaming)
@@ -571,6 +640,8 @@ impl Chat {
             },
             max_tokens: settings.max_tokens as usize,
             max_soft_tokens: settings.max_soft_tokens as usize,
+            raw_prompt,
+            ignore_eos,
         };
         if let Some(generation) = lock(&self.running).get_mut(&conversation) {
             generation.reply = Some(reply.id);
@@ -596,6 +667,8 @@ impl Chat {
                     resumed_from,
                     checkpoint,
                     rejected,
+                    tokens,
+                    prefill_tok_s,
                     stop_reason,
                     prompt_tokens,
                     generated_tokens,
@@ -627,7 +700,15 @@ impl Chat {
                         decode_tok_s,
                         peak_mem_bytes: peak_mem_bytes as u64,
                     };
-                    let stats = serde_json::to_value(&stats).unwrap_or_default();
+                    let mut stats = serde_json::to_value(&stats).unwrap_or_default();
+                    // Kept for the CLI, beyond what the UI shows.
+                    merge(
+                        &mut stats,
+                        serde_json::json!({ "token_ids": tokens, "prefill_tok_s": prefill_tok_s }),
+                    );
+                    if raw {
+                        text = join_ids(&tokens);
+                    }
                     self.store.finish_reply(reply.id, &text, state, Some(&stats)).await?;
                     let done = self.thread_message(self.store.message(reply.id).await?).await?;
                     on_event(StreamEvent::Done { reply: done.clone() });
@@ -824,6 +905,49 @@ impl Chat {
             None => false,
         }
     }
+}
+
+/// Deletes checkpoint files a killed process left half-written (they never got an index row).
+fn remove_partial_files(dir: &Path) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            remove_partial_files(&path);
+        } else if entry.file_name().to_string_lossy().starts_with(".partial-") {
+            tracing::info!(file = %path.display(), "removing a half-written checkpoint");
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// The options beyond [`Settings`] in a conversation's settings JSON: (raw_tokens, ignore_eos).
+fn extras(value: &serde_json::Value) -> (bool, bool) {
+    let flag = |key: &str| value.get(key).and_then(serde_json::Value::as_bool).unwrap_or(false);
+    (flag("raw_tokens"), flag("ignore_eos"))
+}
+
+/// Overlays the keys of `update` (an object) on `value`.
+fn merge(value: &mut serde_json::Value, update: serde_json::Value) {
+    if !value.is_object() {
+        *value = serde_json::json!({});
+    }
+    if let (Some(target), serde_json::Value::Object(update)) = (value.as_object_mut(), update) {
+        target.extend(update);
+    }
+}
+
+/// Token ids as a raw turn's stored text: `1,2,3`.
+pub fn join_ids(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// The ids of a raw turn's stored text.
+pub fn parse_ids(text: &str) -> Result<Vec<u32>> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| t.parse().map_err(|_| Error::Invalid(format!("{t:?} is not a token id"))))
+        .collect()
 }
 
 /// The settings stored as JSON, with defaults for what is missing or malformed.

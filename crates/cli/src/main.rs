@@ -7,6 +7,7 @@
 //! - `quince bench-ops`: per-op overhead of our binding vs Python `mlx`, side by side.
 
 mod bench_ops;
+mod converse;
 mod doctor;
 mod run;
 
@@ -24,6 +25,8 @@ struct Cli {
 enum Command {
     /// Generate a reply to a prompt.
     Generate(run::GenerateArgs),
+    /// One turn of a named conversation, resuming from its KV checkpoints (same store as the app).
+    Chat(converse::ChatArgs),
     /// Write the logits of a forward pass over token ids to a safetensors file.
     Logits(run::LogitsArgs),
     /// Measure TTFT, prefill and decode speed on a synthetic prompt.
@@ -39,6 +42,7 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Generate(args) => run::generate(&args),
+        Command::Chat(args) => converse::run(&args),
         Command::Logits(args) => run::logits(&args),
         Command::Bench(args) => run::bench(&args),
         Command::Doctor(args) => doctor::run(&args),

@@ -282,3 +282,117 @@ fn the_demo_model_chats_through_the_real_template_with_and_without_images() {
         "the template writes <start_of_image>, expanded by 63 soft tokens (640×480 at 70) and <end_of_image>"
     );
 }
+
+/// `quince chat --json`, parsed.
+fn chat_turn(
+    data: &std::path::Path,
+    name: &str,
+    tokens: &[u32],
+    extra: &[&str],
+) -> serde_json::Value {
+    let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+    let out = quince()
+        .args(["chat", "--data-dir"])
+        .arg(data)
+        .args(["--conversation", name, "--model"])
+        .arg(dense())
+        .args(["--tokens", &ids.join(","), "--max-tokens", "6", "--ignore-eos", "--json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn ids(value: &serde_json::Value) -> Vec<u32> {
+    value.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+fn chat_resumes_raw_token_turns_from_checkpoints_like_a_cold_generate() {
+    let data = tempfile::tempdir().unwrap();
+    let turn1: Vec<u32> = (0..40).map(|i| (i * 13 % 200) as u32 + 5).collect();
+    let turn2: Vec<u32> = vec![17, 23, 29];
+    let first = chat_turn(data.path(), "raw", &turn1, &[]);
+    assert_eq!(
+        (first["reused_tokens"].as_u64(), first["prefilled_tokens"].as_u64()),
+        (Some(0), Some(40))
+    );
+    assert!(first["checkpoint"].as_str().is_some_and(|p| std::path::Path::new(p).is_file()));
+    // A new process continues the conversation from the checkpoint.
+    let second = chat_turn(data.path(), "raw", &turn2, &[]);
+    let reply1 = ids(&first["token_ids"]);
+    let history = 40 + reply1.len() as u64;
+    assert_eq!(second["reused_tokens"].as_u64(), Some(history), "{second}");
+    assert_eq!(second["prefilled_tokens"].as_u64(), Some(3));
+    // The same tokens as one cold `generate` over the whole conversation.
+    let whole: Vec<String> =
+        turn1.iter().chain(&reply1).chain(&turn2).map(u32::to_string).collect();
+    let cold = quince()
+        .args(["generate", "--model"])
+        .arg(dense())
+        .args(["--tokens", &whole.join(","), "--max-tokens", "6", "--ignore-eos", "--json"])
+        .output()
+        .unwrap();
+    let cold: serde_json::Value = serde_json::from_slice(&cold.stdout).unwrap();
+    assert_eq!(ids(&second["token_ids"]), ids(&cold["token_ids"]));
+    // And with checkpoints off, the same again from a cold prefill.
+    let off = tempfile::tempdir().unwrap();
+    chat_turn(off.path(), "raw", &turn1, &["--no-checkpoints"]);
+    let again = chat_turn(off.path(), "raw", &turn2, &["--no-checkpoints"]);
+    assert_eq!(again["reused_tokens"].as_u64(), Some(0));
+    assert_eq!(again["checkpoint"], serde_json::Value::Null);
+    assert_eq!(ids(&again["token_ids"]), ids(&second["token_ids"]));
+}
+
+#[test]
+fn a_kill_during_checkpoint_writes_leaves_no_row_without_its_file() {
+    let data = tempfile::tempdir().unwrap();
+    let prompt: Vec<String> = (0..300).map(|i| ((i * 7) % 250 + 3).to_string()).collect();
+    // Kill `quince chat` at a spread of moments, some of them while it writes its checkpoint.
+    for (round, delay_ms) in [150u64, 250, 350, 450, 600, 800, 1200].into_iter().enumerate() {
+        let mut child = quince()
+            .args(["chat", "--data-dir"])
+            .arg(data.path())
+            .args(["--conversation", &format!("c{round}"), "--model"])
+            .arg(dense())
+            .args(["--tokens", &prompt.join(","), "--max-tokens", "2", "--ignore-eos", "--json"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        let _ = child.kill(); // SIGKILL
+        child.wait().unwrap();
+    }
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let chat = chat::Chat::open(data.path()).await.unwrap();
+        let rows = chat.store().checkpoints_by_use().await.unwrap();
+        for row in &rows {
+            let bytes = std::fs::read(chat.checkpoints_dir().join(&row.path)).unwrap();
+            assert_eq!(engine::kv_file::sha256_hex(&bytes), row.sha256, "{}", row.path);
+        }
+        chat.store().check_integrity().await.unwrap();
+        // Opening swept any half-written file: what is left is exactly the indexed files.
+        let mut files: Vec<PathBuf> = walk(&chat.checkpoints_dir());
+        files.sort();
+        let mut indexed: Vec<PathBuf> =
+            rows.iter().map(|r| chat.checkpoints_dir().join(&r.path)).collect();
+        indexed.sort();
+        assert_eq!(files, indexed);
+        eprintln!("{} of 7 killed runs had written their checkpoint", rows.len());
+    });
+}
+
+fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.path().is_dir() {
+            files.extend(walk(&entry.path()));
+        } else {
+            files.push(entry.path());
+        }
+    }
+    files
+}
