@@ -97,7 +97,7 @@ pub enum ReplyEvent {
         /// The checkpoint resumed from.
         resumed_from: Option<i64>,
         /// The checkpoint written after the reply.
-        checkpoint: Option<WrittenCheckpoint>,
+        checkpoint: Option<Box<WrittenCheckpoint>>,
         /// Checkpoints found damaged or foreign on the way (id, why): the caller drops them.
         rejected: Vec<(i64, String)>,
         /// The generated ids (a stop token included).
@@ -542,7 +542,7 @@ fn checkpoint_after(
     held: Vec<u32>,
     caches: &mut [Box<dyn engine::cache::AttentionCache>],
     path: &std::path::Path,
-) -> Result<Option<WrittenCheckpoint>> {
+) -> Result<Option<Box<WrittenCheckpoint>>> {
     let keep = cut_outside_images(
         &boundary,
         loaded.model.image_token_id(),
@@ -561,5 +561,5 @@ fn checkpoint_after(
         prefill(loaded.model.as_ref(), caches, &boundary[keep..], 512)?;
     }
     let file = kv_file::write(path, caches, &boundary, &loaded.info.identity)?;
-    Ok(Some(WrittenCheckpoint { file, tokens: boundary }))
+    Ok(Some(Box::new(WrittenCheckpoint { file, tokens: boundary })))
 }

@@ -736,7 +736,7 @@ impl Chat {
         conversation: i64,
         reply: i64,
         file: &str,
-        written: Option<WrittenCheckpoint>,
+        written: Option<Box<WrittenCheckpoint>>,
         resumed_from: Option<i64>,
         rejected: Vec<(i64, String)>,
     ) -> Result<()> {
