@@ -265,8 +265,18 @@ impl Engine {
     }
 }
 
+/// Runs one prefill and one decode step on throwaway caches, so the weights are read and the
+/// kernels built (MLX compiles its CPU kernels on first use) before the first reply: its TTFT
+/// then measures the reply's own work.
+fn warm_up(model: &dyn Model) -> Result<()> {
+    let mut caches = model.new_caches()?;
+    let request = GenerateRequest::new(vec![2, 2, 2, 2], 2);
+    generate(model, &mut caches, &request, |_| Flow::Continue)?;
+    Ok(())
+}
+
 /// Load stages, in order.
-const LOAD_STAGES: [&str; 2] = ["Reading the weights", "Loading the tokenizer"];
+const LOAD_STAGES: [&str; 3] = ["Reading the weights", "Loading the tokenizer", "Warming up"];
 
 fn load(
     path: &std::path::Path,
@@ -291,6 +301,8 @@ fn load(
     let model = models::load(path)?;
     stage(1)?;
     let tokenizer = Tokenizer::from_dir(path)?;
+    stage(2)?;
+    warm_up(model.as_ref())?;
     if cancel.load(Ordering::SeqCst) {
         return Err(Error::Cancelled);
     }

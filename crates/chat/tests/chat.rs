@@ -49,7 +49,7 @@ async fn ready(f: &Fixture, max_tokens: u32) -> (Chat, i64) {
         .unwrap();
     assert!(info.vision, "the demo model takes images");
     assert_eq!(info.name, "Demo (untrained)");
-    assert_eq!(stages.len(), 2, "load reports its stages: {stages:?}");
+    assert_eq!(stages.len(), 3, "load reports its stages: {stages:?}");
     let c = chat.create_conversation().await.unwrap();
     assert_eq!((c.title.as_str(), c.messages.len()), ("New chat", 0));
     chat.set_settings(c.id, &greedy(max_tokens)).await.unwrap();

@@ -116,6 +116,9 @@ pub trait Cache: std::fmt::Debug {
     /// Bytes one more position costs (keys and values, all heads, one row); 0 before the
     /// first append fixes the dimensions.
     fn bytes_per_token(&self) -> usize;
+    /// The stored buffers, to evaluate after a prefill chunk (as mlx-lm evaluates its caches'
+    /// state) without computing logits nobody reads.
+    fn buffers(&self) -> Vec<Array>;
     /// The valid positions and metadata, for a checkpoint file.
     fn state(&self) -> Result<CacheState>;
     /// Replaces this cache's contents with a saved state of the same signature.

@@ -146,9 +146,12 @@ pub fn prefill(
     };
     for chunk in head.chunks(step.max(1)) {
         let ids = crate::models::gemma4::token_array(chunk)?;
-        let logits = model.forward_rows(&ids, caches, Phase::Window, Rows::Last)?;
-        // Evaluate chunk by chunk so the graph (and memory) stays bounded on long prompts.
-        logits.eval()?;
+        // The chunk's logits are never read: evaluating the caches alone skips the output
+        // head (a large matmul on big vocabularies), chunk by chunk so the graph and memory
+        // stay bounded on long prompts.
+        model.forward_rows(&ids, caches, Phase::Window, Rows::Last)?;
+        let buffers: Vec<Array> = caches.iter().flat_map(|c| c.buffers()).collect();
+        mlx::eval(&buffers.iter().collect::<Vec<_>>())?;
     }
     let ids = crate::models::gemma4::token_array(&[last])?;
     let logits = model.forward(&ids, caches, Phase::Decode)?;

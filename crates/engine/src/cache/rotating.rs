@@ -101,6 +101,10 @@ impl Cache for RotatingCache {
         super::bytes_per_position(self.keys.as_ref(), self.values.as_ref())
     }
 
+    fn buffers(&self) -> Vec<Array> {
+        self.keys.iter().chain(&self.values).cloned().collect()
+    }
+
     fn state(&self) -> Result<CacheState> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Err(Error::InvalidRequest("an empty cache has no state to save".into()));
