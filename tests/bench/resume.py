@@ -59,19 +59,26 @@ def main() -> None:
             # The same conversation, cold: everything prefilled from nothing.
             cold.append(chat(a.quince, tmp / f"cold{r}", a.model, history + reply + turn,
                              ["--no-checkpoints"]))
-        assert all(x["token_ids"] == cold[0]["token_ids"] for x in resumed + cold), "outputs differ"
+        # Each path is deterministic; resumed and cold agree exactly in f32 (the tests hold them
+        # to it). In bf16 a position's keys depend on the shape of the prefill chunk that made
+        # them, so on random weights (near-flat logits) greedy picks may part: report it.
+        assert all(x["token_ids"] == resumed[0]["token_ids"] for x in resumed), "resumed runs differ"
+        same = resumed[0]["token_ids"] == cold[0]["token_ids"]
         med = lambda rows, key: statistics.median(x[key] for x in rows)
         result = {
             "model": a.model,
             "conversation_tokens": len(history) + len(reply) + len(turn),
             "checkpoint_bytes": checkpoint.stat().st_size,
-            "resumed": {"ttft_ms": med(resumed, "ttft_ms"), "reused_tokens": resumed[0]["reused_tokens"],
+            "resumed": {"ttft_ms": med(resumed, "ttft_ms"), "restore_ms": med(resumed, "restore_ms"),
+                        "reused_tokens": resumed[0]["reused_tokens"],
                         "prefilled_tokens": resumed[0]["prefilled_tokens"],
                         "ttft_ms_runs": [x["ttft_ms"] for x in resumed]},
             "cold": {"ttft_ms": med(cold, "ttft_ms"), "prefilled_tokens": cold[0]["prefilled_tokens"],
                      "ttft_ms_runs": [x["ttft_ms"] for x in cold]},
         }
         result["ratio"] = result["resumed"]["ttft_ms"] / result["cold"]["ttft_ms"]
+        result["same_tokens"] = same
+    same = result["same_tokens"]
     if a.json:
         print(json.dumps(result))
         return
@@ -81,7 +88,8 @@ def main() -> None:
     r, c = result["resumed"], result["cold"]
     print(f"  {'resumed':10} {r['ttft_ms']:>10.1f} {r['reused_tokens']:>8} {r['prefilled_tokens']:>10}")
     print(f"  {'cold':10} {c['ttft_ms']:>10.1f} {0:>8} {c['prefilled_tokens']:>10}")
-    print(f"  ratio resumed/cold: {result['ratio']:.3f}  (same greedy tokens: yes)")
+    print(f"  of which finding, verifying and restoring the checkpoint: {r['restore_ms']:.1f} ms")
+    print(f"  ratio resumed/cold: {result['ratio']:.3f}  (same greedy tokens: {'yes' if same else 'no'})")
 
 
 if __name__ == "__main__":

@@ -104,6 +104,8 @@ pub enum ReplyEvent {
         tokens: Vec<u32>,
         /// Prefill speed over the tokens actually prefilled.
         prefill_tok_s: f64,
+        /// Time spent finding, verifying and restoring the checkpoint, ms (part of TTFT).
+        restore_ms: f64,
         /// `stop`, `length` or `stopped`.
         stop_reason: String,
         /// Prompt tokens.
@@ -265,15 +267,22 @@ impl Engine {
     }
 }
 
-/// Runs one prefill and one decode step on throwaway caches, so the weights are read and the
-/// kernels built (MLX compiles its CPU kernels on first use) before the first reply: its TTFT
-/// then measures the reply's own work.
+/// Runs two short turns on throwaway caches, so the weights are read and the kernels built
+/// (MLX compiles kernels on first use) before the first reply: its TTFT then measures the
+/// reply's own work.
 fn warm_up(model: &dyn Model) -> Result<()> {
     let mut caches = model.new_caches()?;
-    let request = GenerateRequest::new(vec![2, 2, 2, 2], 2);
-    generate(model, &mut caches, &request, |_| Flow::Continue)?;
+    // Past a typical sliding window (512), then a short next turn: the shapes of a first
+    // turn and of a turn resumed deep into a conversation.
+    for length in [WARM_UP_TOKENS, 32] {
+        let request = GenerateRequest::new(vec![2; length], 2);
+        generate(model, &mut caches, &request, |_| Flow::Continue)?;
+    }
     Ok(())
 }
+
+/// Prompt length of the warm-up's first turn.
+const WARM_UP_TOKENS: usize = 600;
 
 /// Load stages, in order.
 const LOAD_STAGES: [&str; 3] = ["Reading the weights", "Loading the tokenizer", "Warming up"];
@@ -462,8 +471,14 @@ fn reply(
 
         let mut caches = model.new_caches()?;
         let mut rejected = Vec::new();
+        let resume_started = std::time::Instant::now();
         let (reused, resumed_from) =
             resume(loaded, &request.resume, &prompt, &mut caches, &mut rejected)?;
+        if resumed_from.is_some() {
+            let buffers: Vec<mlx::Array> = caches.iter().flat_map(|c| c.buffers()).collect();
+            mlx::eval(&buffers.iter().collect::<Vec<_>>())?;
+        }
+        let restore_ms = resume_started.elapsed().as_secs_f64() * 1e3;
         let runs = model.image_token_id().map(|t| image_runs(&prompt, t)).unwrap_or_default();
         let mut images = Vec::new();
         for ((start, _), image) in runs.iter().zip(&prepared) {
@@ -530,6 +545,7 @@ fn reply(
             prompt_tokens: prompt.len(),
             tokens: result.tokens.clone(),
             prefill_tok_s: s.prefill_tok_s,
+            restore_ms,
             generated_tokens: s.generated_tokens,
             ttft_ms: first_token.map_or(s.ttft_ms, |t| t.as_secs_f64() * 1e3),
             decode_tok_s: s.decode_tok_s,

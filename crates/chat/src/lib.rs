@@ -45,6 +45,8 @@ const SAVE_EVERY: usize = 8;
 const NEW_TITLE: &str = "New chat";
 /// Largest image accepted, bytes.
 pub const MAX_IMAGE_BYTES: usize = 50 << 20;
+/// The app setting holding the checkpoint disk budget in bytes.
+pub const CHECKPOINT_BUDGET: &str = "checkpoint_budget_bytes";
 /// Default disk budget for KV checkpoints.
 pub const DEFAULT_CHECKPOINT_BUDGET: u64 = 10 << 30;
 /// The app setting holding the last model loaded.
@@ -92,8 +94,14 @@ impl Chat {
             Error::Invalid(format!("cannot create the data folder {}: {e}", data_dir.display()))
         })?;
         remove_partial_files(&data_dir.join("checkpoints"));
+        let store = Store::open(data_dir.join("quince.sqlite3")).await?;
+        let checkpoint_budget = store
+            .setting(CHECKPOINT_BUDGET)
+            .await?
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_CHECKPOINT_BUDGET);
         Ok(Chat {
-            store: Store::open(data_dir.join("quince.sqlite3")).await?,
+            store,
             engine: Engine::start()?,
             data_dir,
             demo_model: None,
@@ -102,7 +110,7 @@ impl Chat {
             loaded: Arc::default(),
             loading: Arc::default(),
             identity: Arc::default(),
-            checkpoint_budget: DEFAULT_CHECKPOINT_BUDGET,
+            checkpoint_budget,
             checkpoints: true,
         })
     }
@@ -137,7 +145,8 @@ impl Chat {
         &self.data_dir
     }
 
-    /// Sets the disk budget for KV checkpoint files (default 10 GiB).
+    /// Sets the disk budget for KV checkpoint files for this session (the stored setting
+    /// [`CHECKPOINT_BUDGET`], else 10 GiB).
     pub fn with_checkpoint_budget(mut self, bytes: u64) -> Chat {
         self.checkpoint_budget = bytes;
         self
@@ -669,6 +678,7 @@ impl Chat {
                     rejected,
                     tokens,
                     prefill_tok_s,
+                    restore_ms,
                     stop_reason,
                     prompt_tokens,
                     generated_tokens,
@@ -704,7 +714,11 @@ impl Chat {
                     // Kept for the CLI, beyond what the UI shows.
                     merge(
                         &mut stats,
-                        serde_json::json!({ "token_ids": tokens, "prefill_tok_s": prefill_tok_s }),
+                        serde_json::json!({
+                            "token_ids": tokens,
+                            "prefill_tok_s": prefill_tok_s,
+                            "restore_ms": restore_ms,
+                        }),
                     );
                     if raw {
                         text = join_ids(&tokens);

@@ -105,6 +105,7 @@ async fn turn(args: &ChatArgs) -> anyhow::Result<()> {
             "generated_tokens": stats.generated_tokens,
             "ttft_ms": stats.ttft_ms,
             "prefill_tok_s": stored.get("prefill_tok_s").cloned().unwrap_or_default(),
+            "restore_ms": stored.get("restore_ms").cloned().unwrap_or_default(),
             "decode_tok_s": stats.decode_tok_s,
             "peak_mem_bytes": stats.peak_mem_bytes,
             "reused_tokens": stats.reused_tokens,

@@ -92,13 +92,13 @@ fn damaged_or_foreign_checkpoints_are_refused() {
     // Truncated, and one flipped bit: the recorded hash no longer matches.
     let truncated = dir.path().join("truncated.safetensors");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
-    assert!(refused(&truncated, &written.sha256, &identity()).contains("SHA-256"));
+    assert!(refused(&truncated, &written.sha256, &identity()).contains("SHA-256 tree"));
     let mut flipped = bytes.clone();
     let middle = flipped.len() / 2;
     flipped[middle] ^= 0x10;
     let flipped_path = dir.path().join("flipped.safetensors");
     std::fs::write(&flipped_path, &flipped).unwrap();
-    assert!(refused(&flipped_path, &written.sha256, &identity()).contains("SHA-256"));
+    assert!(refused(&flipped_path, &written.sha256, &identity()).contains("SHA-256 tree"));
     // Gone.
     assert!(
         refused(&dir.path().join("gone.safetensors"), &written.sha256, &identity())
