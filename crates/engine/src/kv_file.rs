@@ -49,6 +49,56 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A safetensors file's tensors and metadata, from its bytes.
+fn parse_safetensors(bytes: &[u8]) -> std::result::Result<mlx::io::Safetensors, String> {
+    let header_len = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as usize)
+        .ok_or("shorter than a safetensors header")?;
+    let data_start = 8usize.checked_add(header_len).filter(|&e| e <= bytes.len());
+    let data_start = data_start.ok_or("the header runs past the end")?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..data_start]).map_err(|e| format!("header: {e}"))?;
+    let data = &bytes[data_start..];
+    let mut file = mlx::io::Safetensors::default();
+    for (name, entry) in header {
+        if name == "__metadata__" {
+            for (key, value) in entry.as_object().into_iter().flatten() {
+                file.metadata.insert(key.clone(), value.as_str().unwrap_or_default().to_string());
+            }
+            continue;
+        }
+        let dtype = match entry["dtype"].as_str() {
+            Some("F32") => mlx::Dtype::Float32,
+            Some("F16") => mlx::Dtype::Float16,
+            Some("BF16") => mlx::Dtype::Bfloat16,
+            Some("U32") => mlx::Dtype::Uint32,
+            Some("I32") => mlx::Dtype::Int32,
+            Some("U8") => mlx::Dtype::Uint8,
+            other => return Err(format!("{name}: dtype {other:?} is not one a cache writes")),
+        };
+        let shape: Vec<i32> = entry["shape"]
+            .as_array()
+            .ok_or(format!("{name}: no shape"))?
+            .iter()
+            .map(|d| d.as_i64().map(|d| d as i32).ok_or(format!("{name}: bad shape")))
+            .collect::<std::result::Result<_, _>>()?;
+        let range = entry["data_offsets"].as_array().ok_or(format!("{name}: no offsets"))?;
+        let (start, end) = match range.as_slice() {
+            [a, b] => (a.as_u64().unwrap_or(u64::MAX) as usize, b.as_u64().unwrap_or(0) as usize),
+            _ => return Err(format!("{name}: bad offsets")),
+        };
+        let elements: usize = shape.iter().map(|&d| d.max(0) as usize).product();
+        if start > end || end > data.len() || end - start != elements * dtype.size() {
+            return Err(format!("{name}: offsets {start}..{end} do not fit its shape {shape:?}"));
+        }
+        let array = Array::from_bytes(&data[start..end], &shape, dtype)
+            .map_err(|e| format!("{name}: {}", e.message()))?;
+        file.tensors.insert(name, array);
+    }
+    Ok(file)
+}
+
 /// Leaves of [`file_digest`].
 const LEAF: usize = 8 << 20;
 
@@ -172,7 +222,8 @@ pub fn read(
     if actual != sha256 {
         return Err(bad(format!("digest {actual} is not the recorded {sha256} (SHA-256 tree)")));
     }
-    let file = mlx::io::load_safetensors(path).map_err(|e| bad(e.message().to_string()))?;
+    // Parsed from the bytes already read and verified: the file is not read a second time.
+    let file = parse_safetensors(&bytes).map_err(bad)?;
     let meta = |key: &str| {
         file.metadata.get(key).cloned().ok_or_else(|| bad(format!("no `{key}` in the metadata")))
     };
