@@ -528,7 +528,11 @@ fn reply(
                         render(loaded, &turn, &prepared, false)?
                     }
                 };
-                checkpoint_after(loaded, boundary, held, &mut caches, path)?
+                // The reply stands without its checkpoint (a full disk, say): log and go on.
+                checkpoint_after(loaded, boundary, held, &mut caches, path).unwrap_or_else(|e| {
+                    tracing::warn!(path = %path.display(), "no KV checkpoint written: {e}");
+                    None
+                })
             }
             None => None,
         };

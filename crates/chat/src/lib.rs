@@ -686,15 +686,20 @@ impl Chat {
                     decode_tok_s,
                     peak_mem_bytes,
                 } => {
-                    self.after_reply(
-                        conversation,
-                        reply.id,
-                        &checkpoint_file,
-                        checkpoint,
-                        resumed_from,
-                        rejected,
-                    )
-                    .await?;
+                    // Checkpoint bookkeeping never costs the reply itself.
+                    if let Err(e) = self
+                        .after_reply(
+                            conversation,
+                            reply.id,
+                            &checkpoint_file,
+                            checkpoint,
+                            resumed_from,
+                            rejected,
+                        )
+                        .await
+                    {
+                        tracing::warn!(reply = reply.id, "KV checkpoint bookkeeping failed: {e}");
+                    }
                     let state = if stop_reason == "stopped" {
                         MessageState::Stopped
                     } else {

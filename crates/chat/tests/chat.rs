@@ -492,3 +492,17 @@ fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
     }
     files
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_checkpoint_that_cannot_be_written_costs_nothing_but_the_checkpoint() {
+    let f = fixture();
+    let (chat, c) = ready(&f, 4).await;
+    // A file where the checkpoint folder should be: every write fails (as on a full disk).
+    std::fs::write(chat.checkpoints_dir(), b"in the way").unwrap();
+    let first = chat.send(c, "Hello.", &[], |_| {}).await.unwrap();
+    assert_eq!(first.state, MessageState::Complete);
+    let second = chat.send(c, "Again.", &[], |_| {}).await.unwrap();
+    assert_eq!(second.state, MessageState::Complete);
+    assert!(!second.stats.unwrap().resumed, "nothing to resume from");
+    assert!(chat.store().checkpoints_by_use().await.unwrap().is_empty());
+}
