@@ -40,6 +40,11 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Log lines (a discarded checkpoint, an eviction, timings at `debug`) go to stderr;
+    // `QUINCE_LOG` filters them as `RUST_LOG` would (default: warnings).
+    let filter = tracing_subscriber::EnvFilter::try_from_env("QUINCE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     match Cli::parse().command {
         Command::Generate(args) => run::generate(&args),
         Command::Chat(args) => converse::run(&args),

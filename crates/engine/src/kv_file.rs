@@ -49,88 +49,102 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A safetensors file's tensors and metadata, from its bytes.
-fn parse_safetensors(bytes: &[u8]) -> std::result::Result<mlx::io::Safetensors, String> {
-    let header_len = bytes
-        .get(..8)
-        .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as usize)
-        .ok_or("shorter than a safetensors header")?;
-    let data_start = 8usize.checked_add(header_len).filter(|&e| e <= bytes.len());
-    let data_start = data_start.ok_or("the header runs past the end")?;
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&bytes[8..data_start]).map_err(|e| format!("header: {e}"))?;
-    let data = &bytes[data_start..];
-    let mut file = mlx::io::Safetensors::default();
-    for (name, entry) in header {
-        if name == "__metadata__" {
-            for (key, value) in entry.as_object().into_iter().flatten() {
-                file.metadata.insert(key.clone(), value.as_str().unwrap_or_default().to_string());
-            }
-            continue;
-        }
-        let dtype = match entry["dtype"].as_str() {
-            Some("F32") => mlx::Dtype::Float32,
-            Some("F16") => mlx::Dtype::Float16,
-            Some("BF16") => mlx::Dtype::Bfloat16,
-            Some("U32") => mlx::Dtype::Uint32,
-            Some("I32") => mlx::Dtype::Int32,
-            Some("U8") => mlx::Dtype::Uint8,
-            other => return Err(format!("{name}: dtype {other:?} is not one a cache writes")),
-        };
-        let shape: Vec<i32> = entry["shape"]
-            .as_array()
-            .ok_or(format!("{name}: no shape"))?
-            .iter()
-            .map(|d| d.as_i64().map(|d| d as i32).ok_or(format!("{name}: bad shape")))
-            .collect::<std::result::Result<_, _>>()?;
-        let range = entry["data_offsets"].as_array().ok_or(format!("{name}: no offsets"))?;
-        let (start, end) = match range.as_slice() {
-            [a, b] => (a.as_u64().unwrap_or(u64::MAX) as usize, b.as_u64().unwrap_or(0) as usize),
-            _ => return Err(format!("{name}: bad offsets")),
-        };
-        let elements: usize = shape.iter().map(|&d| d.max(0) as usize).product();
-        if start > end || end > data.len() || end - start != elements * dtype.size() {
-            return Err(format!("{name}: offsets {start}..{end} do not fit its shape {shape:?}"));
-        }
-        let array = Array::from_bytes(&data[start..end], &shape, dtype)
-            .map_err(|e| format!("{name}: {}", e.message()))?;
-        file.tensors.insert(name, array);
+/// Checks that a safetensors file is as long as its header says: 8 bytes of header length, the
+/// JSON header, then exactly the data its tensors' offsets cover.
+fn check_length(path: &Path) -> std::result::Result<(), String> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
+    let mut prefix = [0u8; 8];
+    file.read_exact_at(&mut prefix, 0).map_err(|_| "shorter than a safetensors header")?;
+    let header_len = u64::from_le_bytes(prefix);
+    if header_len > len.saturating_sub(8) || header_len > 100 << 20 {
+        return Err(format!("a header of {header_len} bytes does not fit the file of {len}"));
     }
-    Ok(file)
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact_at(&mut header, 8).map_err(|e| e.to_string())?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| format!("header: {e}"))?;
+    let data_end = header
+        .iter()
+        .filter(|(name, _)| *name != "__metadata__")
+        .filter_map(|(_, entry)| entry["data_offsets"].get(1).and_then(|end| end.as_u64()))
+        .max()
+        .unwrap_or(0);
+    if 8 + header_len + data_end != len {
+        return Err(format!(
+            "{len} bytes, where the header describes {}",
+            8 + header_len + data_end
+        ));
+    }
+    Ok(())
 }
 
 /// Leaves of [`file_digest`].
 const LEAF: usize = 8 << 20;
 
-/// The digest a checkpoint file is verified by: SHA-256 over the SHA-256s of its 8 MiB pieces,
-/// hashed in parallel (a 150 MB file is read and verified in a few milliseconds per core, where
-/// one SHA-256 stream takes a few hundred). Any flipped or missing byte changes it.
+/// The digest a checkpoint file is verified by: SHA-256 over the file's length and the SHA-256s
+/// of its 8 MiB pieces, hashed in parallel (a 150 MB file is verified in tens of milliseconds,
+/// where one SHA-256 stream takes several hundred). Any flipped or missing byte changes it.
 pub fn file_digest(bytes: &[u8]) -> String {
     let pieces: Vec<&[u8]> = bytes.chunks(LEAF).collect();
-    let threads =
-        std::thread::available_parallelism().map_or(1, |n| n.get()).min(pieces.len()).max(1);
-    let per_thread = pieces.len().div_ceil(threads).max(1);
-    let leaves: Vec<[u8; 32]> = std::thread::scope(|scope| {
-        let workers: Vec<_> = pieces
-            .chunks(per_thread)
-            .map(|group| {
+    tree_digest(bytes.len() as u64, pieces.len(), |i, _| Ok(sha2::Sha256::digest(pieces[i]).into()))
+        .unwrap_or_else(|e: std::io::Error| unreachable!("hashing memory cannot fail: {e}"))
+}
+
+/// [`file_digest`] of the file at `path`, each worker reading its own pieces.
+pub fn digest_file(path: &Path) -> std::io::Result<String> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    let pieces = len.div_ceil(LEAF as u64) as usize;
+    tree_digest(len, pieces, |i, buffer| {
+        let start = i as u64 * LEAF as u64;
+        let size = (len - start).min(LEAF as u64) as usize;
+        buffer.resize(size, 0);
+        file.read_exact_at(buffer, start)?;
+        Ok(sha2::Sha256::digest(&buffer[..]).into())
+    })
+}
+
+/// The root over `pieces` leaves, leaf `i` hashed by `leaf(i, scratch)` on one of the machine's
+/// cores (interleaved, so the workers finish together).
+fn tree_digest(
+    len: u64,
+    pieces: usize,
+    leaf: impl Fn(usize, &mut Vec<u8>) -> std::io::Result<[u8; 32]> + Sync,
+) -> std::io::Result<String> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(pieces).max(1);
+    let mut leaves = vec![[0u8; 32]; pieces];
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let leaf = &leaf;
                 scope.spawn(move || {
-                    group
-                        .iter()
-                        .map(|p| <[u8; 32]>::from(sha2::Sha256::digest(p)))
-                        .collect::<Vec<_>>()
+                    let mut scratch = Vec::new();
+                    (t..pieces)
+                        .step_by(threads)
+                        .map(|i| Ok((i, leaf(i, &mut scratch)?)))
+                        .collect::<std::io::Result<Vec<_>>>()
                 })
             })
             .collect();
-        workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
-    });
+        for worker in workers {
+            let done =
+                worker.join().map_err(|_| std::io::Error::other("a hashing thread panicked"))?;
+            for (i, digest) in done? {
+                leaves[i] = digest;
+            }
+        }
+        Ok::<_, std::io::Error>(())
+    })?;
     let mut root = sha2::Sha256::new();
-    root.update((bytes.len() as u64).to_le_bytes());
+    root.update(len.to_le_bytes());
     for leaf in &leaves {
         root.update(leaf);
     }
     let hex: String = root.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    format!("sha256-tree:{hex}")
+    Ok(format!("sha256-tree:{hex}"))
 }
 
 /// Hex SHA-256 of token ids (little-endian u32s): the prefix hash the index matches on.
@@ -187,7 +201,8 @@ pub fn write(
     // MLX adds `.safetensors` to a name without it, so the temporary name keeps the suffix.
     let partial = dir.join(format!(".partial-{name}.safetensors"));
     mlx::io::save_safetensors(&partial, &tensors, &metadata)?;
-    let bytes = std::fs::read(&partial).map_err(io(&partial))?;
+    let sha256 = digest_file(&partial).map_err(io(&partial))?;
+    let bytes = std::fs::metadata(&partial).map_err(io(&partial))?.len();
     std::fs::File::options()
         .write(true)
         .open(&partial)
@@ -198,12 +213,7 @@ pub fn write(
     if let Ok(folder) = std::fs::File::open(dir) {
         let _ = folder.sync_all();
     }
-    Ok(Written {
-        path: path.to_path_buf(),
-        bytes: bytes.len() as u64,
-        sha256: file_digest(&bytes),
-        signature: stack_signature(caches),
-    })
+    Ok(Written { path: path.to_path_buf(), bytes, sha256, signature: stack_signature(caches) })
 }
 
 /// Reads the checkpoint at `path` into `caches` (fresh ones from `Model::new_caches`) and
@@ -216,14 +226,30 @@ pub fn read(
     caches: &mut [Box<dyn AttentionCache>],
 ) -> Result<Vec<u32>> {
     let bad = |message: String| Error::CorruptWeights { path: path.to_path_buf(), message };
-    let bytes =
-        std::fs::read(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
-    let actual = file_digest(&bytes);
+    let started = std::time::Instant::now();
+    // A file shorter or longer than its header says is not given to MLX at all.
+    let length = check_length(path);
+    // MLX reads the tensors into its own memory (straight to the device where there is one)
+    // while the other cores hash the file; nothing is restored until both are done and the
+    // digest is the recorded one.
+    let (digest, loaded) = std::thread::scope(|scope| {
+        let hashing = scope.spawn(|| digest_file(path));
+        let loaded = length.clone().and_then(|()| {
+            let file = mlx::io::load_safetensors(path).map_err(|e| e.message().to_string())?;
+            mlx::eval(&file.tensors.values().collect::<Vec<_>>())
+                .map_err(|e| e.message().to_string())?;
+            Ok(file)
+        });
+        let digest =
+            hashing.join().unwrap_or_else(|_| Err(std::io::Error::other("hashing panicked")));
+        (digest, loaded)
+    });
+    let actual = digest.map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
     if actual != sha256 {
         return Err(bad(format!("digest {actual} is not the recorded {sha256} (SHA-256 tree)")));
     }
-    // Parsed from the bytes already read and verified: the file is not read a second time.
-    let file = parse_safetensors(&bytes).map_err(bad)?;
+    let file = loaded.map_err(bad)?;
+    let load_ms = started.elapsed().as_secs_f64() * 1e3;
     let meta = |key: &str| {
         file.metadata.get(key).cloned().ok_or_else(|| bad(format!("no `{key}` in the metadata")))
     };
@@ -273,5 +299,10 @@ pub fn read(
             )));
         }
     }
+    tracing::debug!(
+        load_ms,
+        restore_ms = started.elapsed().as_secs_f64() * 1e3 - load_ms,
+        "read a KV checkpoint"
+    );
     Ok(tokens)
 }
