@@ -14,7 +14,12 @@
 //! - a read owns its handles and stays valid after later appends (holding it across the next
 //!   append may make that append copy its buffer instead of writing in place);
 //! - [`Cache::signature`] names the storage and its geometry; persistence and reuse compare it
-//!   and fail closed on a mismatch.
+//!   and fail closed on a mismatch;
+//! - speculation is a transaction ([`Cache::spec_round_begin`], then commit or
+//!   `rollback(keep)`): afterwards the cache is exactly as if only the kept positions had been
+//!   appended by decode steps, whatever phase appended them inside the round. Plain buffers
+//!   move their offset back; a ring restores its snapshot and rewrites the kept positions
+//!   into the slots decode steps would have used, so it stays exact after it wraps.
 //!
 //! Storages: [`PlainCache`] (growable) and [`RotatingCache`] (sliding window ring).
 
@@ -127,6 +132,16 @@ pub trait Cache: std::fmt::Debug {
     fn is_trimmable(&self) -> bool;
     /// Drops the last `n` positions (at most the offset); errors when not trimmable.
     fn trim(&mut self, n: usize) -> Result<usize>;
+    /// Arms a speculative round: the appends from here until [`Cache::spec_round_commit`] or
+    /// [`Cache::spec_round_rollback`] form one transaction (a verify window, or a drafter's
+    /// decode steps). One round at a time; no trim or restore inside it.
+    fn spec_round_begin(&mut self) -> Result<()>;
+    /// Keeps every position the round appended.
+    fn spec_round_commit(&mut self) -> Result<()>;
+    /// Keeps the first `keep` positions the round appended and forgets the rest. Afterwards
+    /// the cache is exactly as if only those positions had been appended, one decode step
+    /// each: the same offset, the same stored positions in the same slots, the same reads.
+    fn spec_round_rollback(&mut self, keep: usize) -> Result<()>;
 }
 
 /// A key/value cache that owns its attention reads. See the module docs for the invariants.
@@ -148,6 +163,11 @@ pub trait AttentionCache: Cache {
         values: &Array,
         flags: &[bool],
     ) -> Result<AttentionRead>;
+}
+
+/// The error for a round call out of order.
+pub(crate) fn round_error(what: &str) -> Error {
+    Error::InvalidRequest(format!("speculative round: {what}"))
 }
 
 /// Checks that a bidirectional append has one flag per new position.

@@ -18,6 +18,8 @@ pub struct PlainCache {
     keys: Option<Array>,
     values: Option<Array>,
     offset: usize,
+    /// The offset when the armed speculative round began.
+    round: Option<usize>,
 }
 
 impl PlainCache {
@@ -106,6 +108,9 @@ impl Cache for PlainCache {
     }
 
     fn restore(&mut self, state: &CacheState) -> Result<()> {
+        if self.round.is_some() {
+            return Err(super::round_error("no restore inside a round"));
+        }
         check_signature(state, &self.signature())?;
         let offset = state.number("offset")?;
         let keys = state_tensor(state, "keys")?;
@@ -127,9 +132,38 @@ impl Cache for PlainCache {
     }
 
     fn trim(&mut self, n: usize) -> Result<usize> {
+        if self.round.is_some() {
+            return Err(super::round_error("no trim inside a round"));
+        }
         let n = n.min(self.offset);
         self.offset -= n;
         Ok(n)
+    }
+
+    fn spec_round_begin(&mut self) -> Result<()> {
+        if self.round.is_some() {
+            return Err(super::round_error("a round is already armed"));
+        }
+        self.round = Some(self.offset);
+        Ok(())
+    }
+
+    fn spec_round_commit(&mut self) -> Result<()> {
+        self.round.take().map(|_| ()).ok_or_else(|| super::round_error("commit without a round"))
+    }
+
+    fn spec_round_rollback(&mut self, keep: usize) -> Result<()> {
+        let start = self.round.ok_or_else(|| super::round_error("rollback without a round"))?;
+        let appended = self.offset - start;
+        if keep > appended {
+            return Err(super::round_error(&format!(
+                "cannot keep {keep} of the {appended} positions appended"
+            )));
+        }
+        // Positions past the offset are never read and the next append overwrites them.
+        self.offset = start + keep;
+        self.round = None;
+        Ok(())
     }
 }
 

@@ -25,6 +25,20 @@ pub struct RotatingCache {
     /// Where the next decode writes: `len` until full, then the oldest slot.
     cursor: usize,
     offset: usize,
+    /// The armed speculative round.
+    round: Option<Round>,
+}
+
+/// What an armed round goes back to: the ring as it was, and every position appended since.
+#[derive(Debug)]
+struct Round {
+    keys: Option<Array>,
+    values: Option<Array>,
+    len: usize,
+    cursor: usize,
+    offset: usize,
+    appended_keys: Vec<Array>,
+    appended_values: Vec<Array>,
 }
 
 impl RotatingCache {
@@ -36,7 +50,15 @@ impl RotatingCache {
                 "a sliding window needs at least one position".into(),
             ));
         }
-        Ok(RotatingCache { window, keys: None, values: None, len: 0, cursor: 0, offset: 0 })
+        Ok(RotatingCache {
+            window,
+            keys: None,
+            values: None,
+            len: 0,
+            cursor: 0,
+            offset: 0,
+            round: None,
+        })
     }
 
     /// The sliding window length.
@@ -86,6 +108,52 @@ impl RotatingCache {
         let zeros = ops::zeros(&[s[0], s[1], w - n, s[3]], entries.dtype())?;
         Ok(ops::concatenate(&[entries, &zeros], 2)?)
     }
+
+    /// Stores `keys`/`values` (`[B, H, L, D]`) in the slots `L` decode steps would write: the
+    /// ring keeps the last `window` positions, position `p` in slot `(cursor + p − offset) mod
+    /// window`. What a speculative round's appends store, so that the ring after a commit or
+    /// a rollback is the ring of plain decoding.
+    fn ring_append(&mut self, keys: &Array, values: &Array) -> Result<()> {
+        let length = keys.dim(2)? as usize;
+        let keep = (self.len + length).min(self.window);
+        // Stored positions that survive, oldest first, then the new ones.
+        let survivors = keep.saturating_sub(length).min(self.len);
+        let latest = |buffer: Option<&Array>, new: &Array| -> Result<Array> {
+            let joined = match buffer {
+                Some(b) if survivors > 0 => {
+                    let old = self
+                        .recent(b, survivors)?
+                        .ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
+                    ops::concatenate(&[&old, new], 2)?
+                }
+                _ => new.clone(),
+            };
+            let s = joined.shape();
+            Ok(joined.slice(&[0, 0, s[2] - keep as i32, 0], &s, &[1, 1, 1, 1])?)
+        };
+        let temporal_k = latest(self.keys.as_ref(), keys)?;
+        let temporal_v = latest(self.values.as_ref(), values)?;
+        let cursor = if keep == self.window { (self.cursor + length) % self.window } else { keep };
+        let (kbuf, vbuf) = if keep == self.window {
+            (ring_layout(&temporal_k, cursor)?, ring_layout(&temporal_v, cursor)?)
+        } else {
+            (self.buffer_from(&temporal_k)?, self.buffer_from(&temporal_v)?)
+        };
+        self.keys = Some(kbuf);
+        self.values = Some(vbuf);
+        self.len = keep;
+        self.cursor = cursor;
+        self.offset += length;
+        Ok(())
+    }
+
+    /// Records an append of the armed round.
+    fn record(&mut self, keys: &Array, values: &Array) {
+        if let Some(round) = &mut self.round {
+            round.appended_keys.push(keys.clone());
+            round.appended_values.push(values.clone());
+        }
+    }
 }
 
 impl Cache for RotatingCache {
@@ -122,6 +190,9 @@ impl Cache for RotatingCache {
     }
 
     fn restore(&mut self, state: &CacheState) -> Result<()> {
+        if self.round.is_some() {
+            return Err(super::round_error("no restore inside a round"));
+        }
         check_signature(state, &self.signature())?;
         let offset = state.number("offset")?;
         let keys = state_tensor(state, "keys")?;
@@ -156,6 +227,9 @@ impl Cache for RotatingCache {
     }
 
     fn trim(&mut self, n: usize) -> Result<usize> {
+        if self.round.is_some() {
+            return Err(super::round_error("no trim inside a round"));
+        }
         if !self.is_trimmable() {
             return Err(Error::InvalidRequest(format!(
                 "a sliding-window cache that evicted positions cannot be trimmed (offset {}, window {})",
@@ -167,6 +241,62 @@ impl Cache for RotatingCache {
         self.offset -= n;
         self.cursor = self.len % self.window;
         Ok(n)
+    }
+
+    fn spec_round_begin(&mut self) -> Result<()> {
+        if self.round.is_some() {
+            return Err(super::round_error("a round is already armed"));
+        }
+        self.round = Some(Round {
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+            len: self.len,
+            cursor: self.cursor,
+            offset: self.offset,
+            appended_keys: Vec::new(),
+            appended_values: Vec::new(),
+        });
+        Ok(())
+    }
+
+    fn spec_round_commit(&mut self) -> Result<()> {
+        // The round's appends already stored their positions where decode steps would have.
+        self.round.take().map(|_| ()).ok_or_else(|| super::round_error("commit without a round"))
+    }
+
+    fn spec_round_rollback(&mut self, keep: usize) -> Result<()> {
+        let Some(round) = &self.round else {
+            return Err(super::round_error("rollback without a round"));
+        };
+        let appended = self.offset - round.offset;
+        if keep > appended {
+            return Err(super::round_error(&format!(
+                "cannot keep {keep} of the {appended} positions appended"
+            )));
+        }
+        let kept = |parts: &[Array]| -> Result<Option<Array>> {
+            if keep == 0 {
+                return Ok(None);
+            }
+            let all = ops::concatenate(&parts.iter().collect::<Vec<_>>(), 2)?;
+            let s = all.shape();
+            Ok(Some(all.slice(&[0, 0, 0, 0], &[s[0], s[1], keep as i32, s[3]], &[1, 1, 1, 1])?))
+        };
+        let kept_keys = kept(&round.appended_keys)?;
+        let kept_values = kept(&round.appended_values)?;
+        let Some(round) = self.round.take() else {
+            return Err(super::round_error("rollback without a round"));
+        };
+        // Back to the ring before the round, then the kept positions into their decode slots.
+        self.keys = round.keys;
+        self.values = round.values;
+        self.len = round.len;
+        self.cursor = round.cursor;
+        self.offset = round.offset;
+        if let (Some(k), Some(v)) = (kept_keys, kept_values) {
+            self.ring_append(&k, &v)?;
+        }
+        Ok(())
     }
 }
 
@@ -204,6 +334,7 @@ impl AttentionCache for RotatingCache {
         self.len = len;
         self.cursor = (self.cursor + 1) % self.window;
         self.offset += 1;
+        self.record(keys, values);
         Ok(AttentionRead::new(read_k, read_v, ReadMask::None))
     }
 
@@ -258,6 +389,12 @@ impl RotatingCache {
             }
             None => ReadMask::Array(window_mask(length, prior_len, self.window)?),
         };
+        if self.round.is_some() {
+            // Inside a round, positions go where decode steps would put them.
+            self.ring_append(keys, values)?;
+            self.record(keys, values);
+            return Ok(AttentionRead::new(full_k, full_v, mask));
+        }
         let keep = total.min(self.window);
         let (fs, vs) = (full_k.shape(), full_v.shape());
         let from = (total - keep) as i32;

@@ -238,3 +238,123 @@ fn a_mismatched_state_is_refused_and_bad_appends_leave_the_cache_unchanged() {
     assert_eq!(ring.signature(), "rotating(window=4)");
     assert_eq!(plain.bytes_per_token(), (2 * HKV * D * 4) as usize);
 }
+
+/// One speculative round: `length` positions appended as one verify window or as a drafter's
+/// decode steps, then `keep` of them kept (commit when all are kept and `commit`).
+#[derive(Debug, Clone)]
+struct Round {
+    length: usize,
+    keep: usize,
+    as_window: bool,
+    commit: bool,
+}
+
+fn rounds() -> impl Strategy<Value = Vec<Round>> {
+    prop::collection::vec(
+        (1usize..7, 0usize..7, any::<bool>(), any::<bool>()).prop_map(
+            |(length, keep, as_window, commit)| Round {
+                length,
+                keep: keep.min(length),
+                as_window,
+                commit,
+            },
+        ),
+        1..10,
+    )
+}
+
+fn bitwise_equal(a: &Array, b: &Array) -> bool {
+    a.shape() == b.shape() && a.array_equal(b, false).unwrap().item::<bool>().unwrap()
+}
+
+/// Rows of `x` `[rows, H, L, D]`, for B > 1 checks.
+fn sized(shape: [i32; 4], seed: u64, rows: i32) -> Array {
+    normal(&[rows, shape[1], shape[2], shape[3]], seed)
+}
+
+/// Runs `rounds` on `speculative` and appends only the kept positions, one decode step each,
+/// to `plain`; after every round both hold the same offset, the same saved state, the same
+/// slots (rings) and give bit-identical reads to the next decode step.
+fn rounds_match_kept_decodes(
+    make: &dyn Fn() -> Box<dyn AttentionCache>,
+    prefix: usize,
+    rounds: &[Round],
+    rows: i32,
+    seed: u64,
+    compare_slots: bool,
+) {
+    let mut speculative = make();
+    let mut reference = make();
+    let (k, v) = (
+        sized([1, HKV, prefix as i32, D], seed, rows),
+        sized([1, HKV, prefix as i32, D], seed + 1, rows),
+    );
+    speculative.append_window(&k, &v).unwrap();
+    reference.append_window(&k, &v).unwrap();
+    for (n, round) in rounds.iter().enumerate() {
+        let seed = seed * 100 + n as u64 * 7;
+        let l = round.length as i32;
+        let k = sized([1, HKV, l, D], seed, rows);
+        let v = sized([1, HKV, l, D], seed + 1, rows);
+        let at = |a: &Array, i: i32| {
+            a.slice(&[0, 0, i, 0], &[rows, HKV, i + 1, D], &[1, 1, 1, 1]).unwrap()
+        };
+        speculative.spec_round_begin().unwrap();
+        assert!(speculative.spec_round_begin().is_err(), "one round at a time");
+        if round.as_window {
+            speculative.append_window(&k, &v).unwrap();
+        } else {
+            for i in 0..l {
+                speculative.append_decode(&at(&k, i), &at(&v, i)).unwrap();
+            }
+        }
+        assert!(speculative.trim(1).is_err(), "no trim inside a round");
+        assert!(
+            speculative.spec_round_rollback(round.length + 1).is_err(),
+            "cannot keep more than appended"
+        );
+        if round.commit && round.keep == round.length {
+            speculative.spec_round_commit().unwrap();
+        } else {
+            speculative.spec_round_rollback(round.keep).unwrap();
+        }
+        assert!(speculative.spec_round_commit().is_err(), "the round is over");
+        for i in 0..round.keep as i32 {
+            reference.append_decode(&at(&k, i), &at(&v, i)).unwrap();
+        }
+        let context = format!("round {n} {round:?} of {rounds:?}, prefix {prefix}, rows {rows}");
+        assert_eq!(speculative.offset(), reference.offset(), "{context}");
+        let (a, b) = (speculative.state().unwrap(), reference.state().unwrap());
+        assert_eq!(a.metadata, b.metadata, "{context}");
+        for (name, tensor) in &a.tensors {
+            assert!(bitwise_equal(tensor, &b.tensors[name]), "{name} differs: {context}");
+        }
+        if compare_slots {
+            for (x, y) in speculative.buffers().iter().zip(reference.buffers()) {
+                assert!(bitwise_equal(x, &y), "ring slots differ: {context}");
+            }
+        }
+        let (k1, v1, q) = (
+            sized([1, HKV, 1, D], seed + 3, rows),
+            sized([1, HKV, 1, D], seed + 4, rows),
+            sized([1, HQ, 1, D], seed + 5, rows),
+        );
+        let x = speculative.append_decode(&k1, &v1).unwrap().attend(&q, 0.5).unwrap();
+        let y = reference.append_decode(&k1, &v1).unwrap().attend(&q, 0.5).unwrap();
+        assert!(bitwise_equal(&x, &y), "the next read differs: {context}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn plain_rounds_leave_what_the_kept_decodes_leave(rounds in rounds(), prefix in 1usize..9, rows in 1i32..3, seed in 0u64..1000) {
+        rounds_match_kept_decodes(&|| Box::new(PlainCache::new()), prefix, &rounds, rows, seed, false);
+    }
+
+    #[test]
+    fn ring_rounds_leave_what_the_kept_decodes_leave(rounds in rounds(), window in 1usize..8, prefix in 1usize..9, rows in 1i32..3, seed in 0u64..1000) {
+        rounds_match_kept_decodes(&|| Box::new(RotatingCache::new(window).unwrap()), prefix, &rounds, rows, seed, true);
+    }
+}
