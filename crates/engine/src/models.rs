@@ -84,6 +84,12 @@ pub trait Model: std::fmt::Debug {
     fn max_context(&self) -> usize;
     /// Token ids that end a reply according to the config (`eos_token_id`).
     fn eos_token_ids(&self) -> Vec<u32>;
+    /// Whether this model provides a port draft methods read (none yet: the Gemma 4
+    /// assistant's port arrives with the assistant).
+    fn provides(&self, port: crate::speculative::TargetPort) -> bool {
+        let _ = port;
+        false
+    }
 }
 
 /// Loads the model a checkpoint directory holds, chosen by its `model_type`.

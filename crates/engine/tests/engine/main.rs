@@ -6,5 +6,6 @@ mod cache;
 mod errors;
 mod gemma4;
 mod kv_file;
+mod speculative;
 mod tokenizer;
 mod vision;

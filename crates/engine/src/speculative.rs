@@ -1,0 +1,279 @@
+//! Speculative decoding: a draft method proposes tokens, the target verifies them in one window
+//! and keeps what it would have generated anyway.
+//!
+//! A round is a transaction on the target's caches ([`crate::cache::Cache::spec_round_begin`]):
+//! the verify window `[bonus, d1 .. dk]` is appended in one forward pass, the target picks its
+//! own token at every position with its own sampler (greedy: the argmax; sampling: one draw
+//! from its seeded stream per emitted token, so the output equals non-speculative output at
+//! the same seed: mlx-vlm's rule, `shared/reference/engine.md` §0.4), a draft is accepted while
+//! it equals that pick, and the caches roll back to the kept positions. The target's pick at
+//! the first mismatch (or after the last draft) is the next round's bonus token.
+//!
+//! Methods ([`DraftMethod`]) name the target ports they read ([`TargetPort`]) and are refused
+//! before they allocate anything when the target lacks one ([`target_lacks`]):
+//! - [`lookup::PromptLookup`]: n-gram matches in the conversation, no model;
+//! - [`draft_model::DraftModel`]: a smaller model with the same tokenizer.
+
+pub mod draft_model;
+pub mod lookup;
+
+use mlx::Array;
+
+use crate::cache::AttentionCache;
+use crate::error::{Error, Result};
+use crate::generate::{Emitter, Flow, GenerateRequest, Generation, StopReason, decode_step, start};
+use crate::models::{Model, Phase};
+use crate::sampling::Sampler;
+
+/// What a draft method may read from the target's live state (the seed's `TargetView` ports).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetPort {
+    /// The Gemma 4 assistant's reads: the target's embedding, its last donor keys and values
+    /// per layer type, and its final hidden state.
+    AssistantRows,
+    /// Hidden states of chosen target layers and the embedding/head projection.
+    HiddenLayerTaps,
+    /// The final hidden layer, the embedding and the head of a recurrent MTP head.
+    RecurrentMtp,
+}
+
+impl TargetPort {
+    /// The port's name as the seed spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TargetPort::AssistantRows => "assistantRows",
+            TargetPort::HiddenLayerTaps => "hiddenLayerTaps",
+            TargetPort::RecurrentMtp => "recurrentMtp",
+        }
+    }
+}
+
+/// The refusal for a target that does not provide a port a method reads.
+pub fn target_lacks(port: TargetPort) -> Error {
+    Error::InvalidRequest(format!("the target model does not provide {}", port.as_str()))
+}
+
+/// A source of draft tokens.
+pub trait DraftMethod: std::fmt::Debug {
+    /// `draft`, `lookup`, `assistant`.
+    fn name(&self) -> &'static str;
+    /// The target ports this method reads.
+    fn ports(&self) -> &'static [TargetPort] {
+        &[]
+    }
+    /// Checks that the method can serve `target` (its ports, its vocabulary), before any
+    /// draft-side allocation.
+    fn bind(&mut self, target: &dyn Model) -> Result<()>;
+    /// A new generation: `context` is every token the target's caches hold after the prompt's
+    /// prefill (the whole conversation so far).
+    fn start(&mut self, context: &[u32]) -> Result<()>;
+    /// Up to `max` tokens to follow `context` (the conversation so far), whose last token (the
+    /// bonus) the target has not appended yet. Fewer, or none, when the method has nothing
+    /// worth verifying.
+    fn propose(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>>;
+    /// After each [`DraftMethod::propose`]: the target kept the first `accepted` drafts.
+    fn settle(&mut self, accepted: usize) -> Result<()>;
+}
+
+/// How many tokens a round drafts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftLength {
+    /// The most tokens one round drafts.
+    pub max: usize,
+    /// Adapt between 1 and `max`: two more after a round that accepted every draft, one fewer
+    /// after one that did not (`false`: always `max`).
+    pub adaptive: bool,
+}
+
+impl Default for DraftLength {
+    fn default() -> Self {
+        DraftLength { max: 4, adaptive: true }
+    }
+}
+
+/// Counts of one speculative generation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SpecStats {
+    /// The method's name.
+    pub method: String,
+    /// Verify rounds run (steps with no proposal are plain decode steps, not rounds).
+    pub rounds: usize,
+    /// Draft tokens proposed.
+    pub proposed: usize,
+    /// Draft tokens accepted.
+    pub accepted: usize,
+}
+
+impl SpecStats {
+    /// Accepted / proposed (0 when nothing was proposed).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.proposed == 0 { 0.0 } else { self.accepted as f64 / self.proposed as f64 }
+    }
+
+    /// Drafts accepted per round.
+    pub fn mean_accepted_length(&self) -> f64 {
+        if self.rounds == 0 { 0.0 } else { self.accepted as f64 / self.rounds as f64 }
+    }
+}
+
+/// [`crate::generate::generate`] with a draft method: the same tokens (greedy, or sampled at
+/// the same seed), fewer target forward passes when drafts are accepted.
+///
+/// `earlier` are the tokens `caches` already hold (a resumed conversation), so that the method
+/// sees the whole conversation.
+pub fn generate(
+    model: &dyn Model,
+    caches: &mut [Box<dyn AttentionCache>],
+    earlier: &[u32],
+    request: &GenerateRequest,
+    method: &mut dyn DraftMethod,
+    length: DraftLength,
+    on_token: impl FnMut(u32) -> Flow,
+) -> Result<Generation> {
+    if length.max == 0 {
+        return Err(Error::InvalidRequest("a speculative round drafts at least one token".into()));
+    }
+    for &port in method.ports() {
+        if !model.provides(port) {
+            return Err(target_lacks(port));
+        }
+    }
+    method.bind(model)?;
+    let mut sampler = Sampler::new(request.sampling.clone())?;
+    let greedy = request.sampling.temperature == 0.0
+        && request.sampling.repetition_penalty == 1.0
+        && request.sampling.presence_penalty == 0.0;
+    if caches.first().map_or(0, |c| c.offset()) != earlier.len() {
+        return Err(Error::InvalidRequest(format!(
+            "the caches hold {} positions, not the {} earlier tokens given",
+            caches.first().map_or(0, |c| c.offset()),
+            earlier.len()
+        )));
+    }
+    let (logits, started) = start(model, caches, request)?;
+    let mut out = Emitter::new(request, started, on_token);
+    let mut stats = SpecStats { method: method.name().into(), ..SpecStats::default() };
+    if request.max_tokens == 0 {
+        return with_stats(out.finish(StopReason::MaxTokens), stats);
+    }
+    // The whole conversation, as the method sees it.
+    let mut context: Vec<u32> = earlier.iter().chain(&request.prompt).copied().collect();
+    method.start(&context)?;
+    let mut bonus = sampler.sample(&logits, &out.history)?.item::<u32>()?;
+    context.push(bonus);
+    if let Some(reason) = out.emit(bonus) {
+        return with_stats(out.finish(reason), stats);
+    }
+    let mut k = length.max;
+    let stop_reason = loop {
+        // A round never drafts past the token budget: the bonus and k drafts emit at most
+        // k + 1 tokens.
+        let budget = out.remaining().saturating_sub(1);
+        let mut drafts = Vec::new();
+        if budget > 0 {
+            drafts = method.propose(&context, k.min(budget))?;
+            drafts.truncate(k.min(budget));
+            if drafts.is_empty() {
+                method.settle(0)?;
+            }
+        }
+        if drafts.is_empty() {
+            // Nothing to verify: a plain decode step.
+            let token = Array::from_slice(&[bonus], &[1])?;
+            bonus =
+                decode_step(model, caches, &mut sampler, &token, &out.history)?.item::<u32>()?;
+            context.push(bonus);
+            if let Some(reason) = out.emit(bonus) {
+                break reason;
+            }
+            continue;
+        }
+        let mut window = Vec::with_capacity(drafts.len() + 1);
+        window.push(bonus);
+        window.extend_from_slice(&drafts);
+        for cache in caches.iter_mut() {
+            cache.spec_round_begin()?;
+        }
+        let verified = verify(model, caches, &window, &mut sampler, &out.history, greedy, &drafts);
+        let picks = match verified {
+            Ok(picks) => picks,
+            Err(e) => {
+                for cache in caches.iter_mut() {
+                    let _ = cache.spec_round_rollback(0);
+                }
+                return Err(e);
+            }
+        };
+        // picks[i] is the target's token after window[..=i]; drafts are accepted while equal.
+        let accepted = drafts.iter().zip(&picks).take_while(|(d, p)| d == p).count();
+        stats.rounds += 1;
+        stats.proposed += drafts.len();
+        stats.accepted += accepted;
+        // Emit the accepted drafts and the target's own next token, stopping early if asked.
+        let mut emitted = 0;
+        let mut ended = None;
+        for &token in &picks[..=accepted] {
+            emitted += 1;
+            context.push(token);
+            if let Some(reason) = out.emit(token) {
+                ended = Some(reason);
+                break;
+            }
+        }
+        // The caches keep the bonus and the drafts before the last emitted token (which is
+        // the next bonus, not yet appended).
+        for cache in caches.iter_mut() {
+            cache.spec_round_rollback(emitted)?;
+        }
+        if let Some(reason) = ended {
+            break reason;
+        }
+        bonus = picks[accepted];
+        method.settle(accepted)?;
+        if length.adaptive {
+            k = if accepted == drafts.len() {
+                (k + 2).min(length.max)
+            } else {
+                k.saturating_sub(1).max(1)
+            };
+        }
+    };
+    with_stats(out.finish(stop_reason), stats)
+}
+
+fn with_stats(generation: Result<Generation>, stats: SpecStats) -> Result<Generation> {
+    generation.map(|g| Generation { spec: Some(stats), ..g })
+}
+
+/// Appends the verify window and returns the target's pick after each of its positions. Greedy
+/// picks are one argmax over every row; sampled picks are drawn one by one, in order, and only
+/// while the drafts match (so the sampler's stream advances once per emitted token).
+fn verify(
+    model: &dyn Model,
+    caches: &mut [Box<dyn AttentionCache>],
+    window: &[u32],
+    sampler: &mut Sampler,
+    history: &[u32],
+    greedy: bool,
+    drafts: &[u32],
+) -> Result<Vec<u32>> {
+    let ids = crate::models::gemma4::token_array(window)?;
+    let logits = model.forward(&ids, caches, Phase::Window)?; // [1, k + 1, V]
+    let v = logits.dim(-1)?;
+    let rows = window.len() as i32;
+    if greedy {
+        return Ok(logits.reshape(&[rows, v])?.argmax(-1, false)?.to_vec::<u32>()?);
+    }
+    let mut picks = Vec::with_capacity(window.len());
+    let mut seen = history.to_vec();
+    for i in 0..rows {
+        let row = logits.slice(&[0, i, 0], &[1, i + 1, v], &[1, 1, 1])?.reshape(&[1, v])?;
+        let pick = sampler.sample(&row, &seen)?.item::<u32>()?;
+        picks.push(pick);
+        seen.push(pick);
+        if drafts.get(i as usize) != Some(&pick) {
+            break;
+        }
+    }
+    Ok(picks)
+}

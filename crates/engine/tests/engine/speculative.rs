@@ -1,0 +1,257 @@
+//! Speculative decoding gives exactly the tokens plain decoding gives (greedy, and sampled at
+//! the same seed), for every draft method, on the tiny `dense` checkpoint whose sliding window
+//! (6) is far shorter than the output, with and without an image in the prompt.
+
+use std::path::PathBuf;
+
+use engine::generate::{Flow, GenerateRequest, Generation, generate};
+use engine::models::{self, Model};
+use engine::sampling::SamplingParams;
+use engine::speculative::draft_model::DraftModel;
+use engine::speculative::lookup::PromptLookup;
+use engine::speculative::{self, DraftLength, DraftMethod, TargetPort};
+use engine::vision::gemma4::preprocess;
+use engine::vision::image::load_rgb;
+use mlx::{Array, Dtype};
+
+fn golden(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden").join(path)
+}
+
+fn load(name: &str) -> Box<dyn Model> {
+    models::load(golden(&format!("gemma4/{name}"))).unwrap()
+}
+
+fn plain(model: &dyn Model, request: &GenerateRequest) -> Generation {
+    let mut caches = model.new_caches().unwrap();
+    generate(model, &mut caches, request, |_| Flow::Continue).unwrap()
+}
+
+fn speculative(
+    model: &dyn Model,
+    request: &GenerateRequest,
+    method: &mut dyn DraftMethod,
+    length: DraftLength,
+) -> (Generation, usize) {
+    let mut caches = model.new_caches().unwrap();
+    let reply =
+        speculative::generate(model, &mut caches, &[], request, method, length, |_| Flow::Continue)
+            .unwrap();
+    (reply, caches[0].offset())
+}
+
+/// A prompt that repeats itself, so prompt lookup has matches to propose.
+fn text_prompt() -> Vec<u32> {
+    let phrase = [17u32, 230, 45, 301, 9, 77, 412, 5];
+    (0..5).flat_map(|i| phrase.iter().map(move |&t| t + i % 2)).collect()
+}
+
+fn image_request(model: &dyn Model, max_tokens: usize) -> GenerateRequest {
+    let golden_ids = mlx::io::load_safetensors(golden("vision/vision.safetensors"))
+        .unwrap()
+        .tensors["single.ids"]
+        .astype(Dtype::Int32)
+        .unwrap()
+        .to_vec::<i32>()
+        .unwrap();
+    let tokens: Vec<u32> = golden_ids.into_iter().map(|t| t as u32).collect();
+    let rgb = load_rgb(&golden("vision/images/rgb_640x480.png")).unwrap();
+    let image: Array = model.encode_image(&preprocess(&rgb, 70).unwrap().pixels).unwrap();
+    GenerateRequest { images: vec![image], ..GenerateRequest::new(tokens, max_tokens) }
+}
+
+fn methods() -> Vec<(&'static str, Box<dyn DraftMethod>)> {
+    vec![
+        ("lookup", Box::new(PromptLookup::default())),
+        // The same weights in 8 bits: a draft that agrees often, not always.
+        ("draft q8", Box::new(DraftModel::new(load("dense_q8")))),
+        // Another model with the same vocabulary: a draft that is mostly wrong.
+        ("draft k_eq_v", Box::new(DraftModel::new(load("k_eq_v")))),
+    ]
+}
+
+#[test]
+fn greedy_output_is_plain_output_for_every_method() {
+    let model = load("dense");
+    let text = GenerateRequest::new(text_prompt(), 128);
+    let image = image_request(model.as_ref(), 128);
+    for (what, request) in [("text", &text), ("image", &image)] {
+        let want = plain(model.as_ref(), request);
+        for (name, mut method) in methods() {
+            for length in
+                [DraftLength { max: 4, adaptive: true }, DraftLength { max: 3, adaptive: false }]
+            {
+                let (got, offset) = speculative(model.as_ref(), request, method.as_mut(), length);
+                assert_eq!(got.tokens, want.tokens, "{what}, {name}, {length:?}");
+                let spec = got.spec.clone().unwrap();
+                assert!(spec.proposed > 0 && spec.rounds > 0, "{what}, {name}: nothing verified");
+                // The caches hold the prompt and every token but the last, as after plain decoding.
+                assert_eq!(offset, request.prompt.len() + got.tokens.len() - 1, "{what}, {name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_draft_equal_to_the_target_is_always_accepted() {
+    let model = load("dense");
+    let request = GenerateRequest::new(text_prompt(), 64);
+    let want = plain(model.as_ref(), &request);
+    let mut method = DraftModel::new(load("dense"));
+    let (got, _) =
+        speculative(model.as_ref(), &request, &mut method, DraftLength { max: 4, adaptive: false });
+    assert_eq!(got.tokens, want.tokens);
+    let spec = got.spec.unwrap();
+    assert_eq!(spec.accepted, spec.proposed, "{spec:?}");
+    // 1 bonus + rounds of 4 drafts and the target's own token: 63 tokens in 13 rounds (the
+    // last one drafts only what the budget leaves).
+    assert_eq!(spec.rounds, 13, "{spec:?}");
+    assert!((spec.acceptance_rate() - 1.0).abs() < 1e-12);
+}
+
+#[test]
+fn sampled_output_is_plain_sampled_output_at_the_same_seed() {
+    let model = load("dense");
+    let sampling = SamplingParams { temperature: 0.8, seed: 1234, ..SamplingParams::default() };
+    let text =
+        GenerateRequest { sampling: sampling.clone(), ..GenerateRequest::new(text_prompt(), 128) };
+    let image = GenerateRequest { sampling, ..image_request(model.as_ref(), 128) };
+    for (what, request) in [("text", &text), ("image", &image)] {
+        let want = plain(model.as_ref(), request);
+        let other_seed = GenerateRequest {
+            sampling: SamplingParams { seed: 99, ..request.sampling.clone() },
+            ..request.clone()
+        };
+        assert_ne!(plain(model.as_ref(), &other_seed).tokens, want.tokens, "the seed matters");
+        for (name, mut method) in methods() {
+            let (got, _) =
+                speculative(model.as_ref(), request, method.as_mut(), DraftLength::default());
+            assert_eq!(got.tokens, want.tokens, "{what}, {name}");
+        }
+    }
+}
+
+#[test]
+fn stops_and_budgets_end_a_round_where_plain_decoding_ends() {
+    let model = load("dense");
+    let want = plain(model.as_ref(), &GenerateRequest::new(text_prompt(), 40));
+    // A stop token in the middle of an accepted run, and a budget that ends mid-round.
+    let stop = want.tokens[17];
+    let first_stop = want.tokens.iter().position(|&t| t == stop).unwrap();
+    for max_tokens in [1, 2, 7, 40] {
+        let request = GenerateRequest {
+            stop_tokens: vec![stop],
+            ..GenerateRequest::new(text_prompt(), max_tokens)
+        };
+        let mut method = DraftModel::new(load("dense"));
+        let (got, offset) =
+            speculative(model.as_ref(), &request, &mut method, DraftLength::default());
+        let n = (first_stop + 1).min(max_tokens);
+        assert_eq!(got.tokens, want.tokens[..n], "max {max_tokens}");
+        assert_eq!(offset, request.prompt.len() + n - 1);
+    }
+    // The callback's stop, as a user's Stop button.
+    let request = GenerateRequest::new(text_prompt(), 40);
+    let mut caches = model.new_caches().unwrap();
+    let mut seen = 0;
+    let got = speculative::generate(
+        model.as_ref(),
+        &mut caches,
+        &[],
+        &request,
+        &mut DraftModel::new(load("dense")),
+        DraftLength::default(),
+        |_| {
+            seen += 1;
+            if seen == 10 { Flow::Stop } else { Flow::Continue }
+        },
+    )
+    .unwrap();
+    assert_eq!(got.tokens, want.tokens[..10]);
+    assert_eq!(caches[0].offset(), request.prompt.len() + 9);
+}
+
+/// A draft model with another vocabulary: only its vocabulary is ever asked for.
+#[derive(Debug)]
+struct OtherVocabulary;
+
+impl Model for OtherVocabulary {
+    fn new_caches(&self) -> engine::Result<Vec<Box<dyn engine::cache::AttentionCache>>> {
+        panic!("caches made for a refused draft model");
+    }
+    fn forward_rows(
+        &self,
+        _: &Array,
+        _: &mut [Box<dyn engine::cache::AttentionCache>],
+        _: engine::models::Phase,
+        _: engine::models::Rows,
+    ) -> engine::Result<Array> {
+        panic!("a refused draft model ran");
+    }
+    fn vocab_size(&self) -> usize {
+        262_144
+    }
+    fn max_context(&self) -> usize {
+        1024
+    }
+    fn eos_token_ids(&self) -> Vec<u32> {
+        Vec::new()
+    }
+}
+
+/// A method reading a port no model provides yet.
+#[derive(Debug)]
+struct NeedsAssistantRows;
+
+impl DraftMethod for NeedsAssistantRows {
+    fn name(&self) -> &'static str {
+        "needs-assistant-rows"
+    }
+    fn ports(&self) -> &'static [TargetPort] {
+        &[TargetPort::AssistantRows]
+    }
+    fn bind(&mut self, _: &dyn Model) -> engine::Result<()> {
+        panic!("bound to a target that lacks its port");
+    }
+    fn start(&mut self, _: &[u32]) -> engine::Result<()> {
+        panic!("started on a target that lacks its port");
+    }
+    fn propose(&mut self, _: &[u32], _: usize) -> engine::Result<Vec<u32>> {
+        unreachable!()
+    }
+    fn settle(&mut self, _: usize) -> engine::Result<()> {
+        unreachable!()
+    }
+}
+
+#[test]
+fn a_target_without_a_port_or_with_another_vocabulary_is_refused_up_front() {
+    let model = load("dense");
+    let request = GenerateRequest::new(text_prompt(), 8);
+    let mut caches = model.new_caches().unwrap();
+    let err = speculative::generate(
+        model.as_ref(),
+        &mut caches,
+        &[],
+        &request,
+        &mut NeedsAssistantRows,
+        DraftLength::default(),
+        |_| Flow::Continue,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("does not provide assistantRows"), "{err}");
+    assert_eq!(caches[0].offset(), 0, "nothing ran");
+    let mut method = DraftModel::new(Box::new(OtherVocabulary));
+    let err = speculative::generate(
+        model.as_ref(),
+        &mut caches,
+        &[],
+        &request,
+        &mut method,
+        DraftLength::default(),
+        |_| Flow::Continue,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+    assert_eq!(caches[0].offset(), 0, "nothing ran");
+}
