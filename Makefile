@@ -127,6 +127,7 @@ golden-check: setup
 	$(VENV_PY) tests/golden/gemma4/make_golden.py --check
 	$(VENV_PY) tests/golden/tokenizer/make_golden.py --check
 	$(VENV_PY) tests/golden/vision/make_golden.py --check
+	$(VENV_PY) tests/golden/assistant/make_golden.py --check
 
 # Doc tests and the build check first, so the run ends on the main suite's summary line.
 test-rust: app-inputs

@@ -203,6 +203,25 @@ async function main() {
     assert.match(last(next, "assistant").stats, /resumed/);
     assert.match(last(next, "assistant").stats, /\d+ reused \+ \d+ prefilled/);
     await shot(s, "resumed-after-relaunch");
+    // Speculative decoding, chosen in the chat's settings: prompt lookup, then the demo model
+    // drafting for itself (it reads no images, so after this conversation's picture its drafts
+    // are mostly wrong); the stats say how drafts fared, and the replies are what plain
+    // decoding gives (the engine and chat tests hold them to it).
+    for (const [option, pattern, count] of [
+      ['option[value="lookup"]', /lookup: \d+% accepted \(\d+\/\d+\)/, 4],
+      ['option[value^="draft:"]', /draft: \d+% accepted \(\d+\/[1-9]\d*\)/, 5],
+    ]) {
+      await (await s.find('[data-testid="settings-button"]')).click();
+      await (await s.waitForElement('[data-testid="speculation"]')).click();
+      await (await s.find(`[data-testid="speculation"] ${option}`)).click();
+      await (await s.find('[data-testid="settings-save"]')).click();
+      await s.waitFor("the settings panel to close", async () => (await s.findAll('[data-testid="speculation"]')).length === 0);
+      await send(s, "Tell me more, tell me more.");
+      const v = await waitForReply(s, count);
+      assert.equal(last(v, "assistant").state, "complete");
+      assert.match(last(v, "assistant").stats, pattern);
+    }
+    await shot(s, "speculative-reply");
   } finally {
     await s.quit();
   }

@@ -56,7 +56,7 @@ beforeEach(() => {
       ...reply,
       state: "complete",
       content: "Hello **world**",
-      stats: { stop_reason: "stop", prompt_tokens: 12, reused_tokens: 0, resumed: false, generated_tokens: 34, ttft_ms: 123, decode_tok_s: 45.6, peak_mem_bytes: 0 },
+      stats: { stop_reason: "stop", prompt_tokens: 12, reused_tokens: 0, resumed: false, generated_tokens: 34, ttft_ms: 123, decode_tok_s: 45.6, peak_mem_bytes: 0, spec: null },
     };
     onEvent.onmessage({ kind: "done", reply: final });
     conv = { ...conv, title: text, messages: [user, final] };
@@ -119,5 +119,31 @@ describe("App", () => {
     expect(banner.textContent).toContain("The prompt is too long for this model");
     fireEvent.click(within(banner).getByRole("button"));
     expect(screen.queryByTestId("error-banner")).toBeNull();
+  });
+
+  it("saves a conversation's speculative decoding choice with its settings", async () => {
+    const saved: unknown[] = [];
+    handlers.set("set_system_prompt", () => null);
+    handlers.set("set_settings", (a) => {
+      saved.push((a as { settings: unknown }).settings);
+      return null;
+    });
+    render(<App />);
+    await waitFor(() => expect(screen.getByTestId("model-status").textContent).toBe("Demo (untrained)"));
+    for (const [choice, want] of [
+      ["lookup", { method: "lookup" }],
+      ["draft:demo", { method: "draft", model: "demo" }],
+      ["off", { method: "off" }],
+    ] as const) {
+      fireEvent.click(screen.getByTestId("settings-button"));
+      const select = (await screen.findByTestId("speculation")) as HTMLSelectElement;
+      expect(Array.from(select.options).map((o) => o.value)).toEqual(["off", "lookup", "draft:demo"]);
+      fireEvent.change(select, { target: { value: choice } });
+      await act(async () => {
+        fireEvent.click(screen.getByTestId("settings-save"));
+      });
+      await waitFor(() => expect(screen.queryByTestId("settings-panel")).toBeNull());
+      expect(saved.at(-1)).toMatchObject({ temperature: 0.7, speculation: want });
+    }
   });
 });

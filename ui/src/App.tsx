@@ -479,7 +479,7 @@ export function App() {
         />
       ) : null}
       {settingsOpen && chat.detail ? (
-        <SettingsPanel detail={chat.detail} onSave={saveSettings} onClose={() => setSettingsOpen(false)} />
+        <SettingsPanel detail={chat.detail} models={models.models} onSave={saveSettings} onClose={() => setSettingsOpen(false)} />
       ) : null}
       {toDelete ? (
         <ConfirmDialog

@@ -9,6 +9,9 @@ use engine::generate::{Flow, GenerateRequest, StopReason, generate, image_runs, 
 use engine::kv_file::{self, Identity};
 use engine::models::{self, Model};
 use engine::sampling::SamplingParams;
+use engine::speculative::draft_model::DraftModel;
+use engine::speculative::lookup::PromptLookup;
+use engine::speculative::{self, DraftLength, DraftMethod, SpecStats};
 use engine::tokenizer::{Content, Message, Part, TextStream, Tokenizer};
 use tokio::sync::{mpsc, oneshot};
 
@@ -71,6 +74,20 @@ pub struct ReplyRequest {
     pub raw_prompt: Option<Vec<u32>>,
     /// Generate past end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// How to decode.
+    pub speculation: Speculation,
+}
+
+/// How a reply is decoded.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Speculation {
+    /// Plainly.
+    #[default]
+    Off,
+    /// With prompt lookup.
+    Lookup,
+    /// With the draft model in this folder.
+    Draft(PathBuf),
 }
 
 /// A checkpoint written after a reply.
@@ -118,6 +135,8 @@ pub enum ReplyEvent {
         decode_tok_s: f64,
         /// Peak memory, bytes.
         peak_mem_bytes: usize,
+        /// Speculative decoding's counts, when it ran.
+        spec: Option<SpecStats>,
     },
     /// Generation failed; nothing more comes.
     Failed {
@@ -198,6 +217,8 @@ impl Engine {
             .name("quince-engine".into())
             .spawn(move || {
                 let mut loaded: Option<Loaded> = None;
+                // The last draft model used, kept loaded for the next reply.
+                let mut draft: Option<(PathBuf, DraftModel)> = None;
                 for command in inbox {
                     match command {
                         Command::Shutdown => break,
@@ -220,7 +241,7 @@ impl Engine {
                                     kind: ErrorKind::ModelMissing,
                                 });
                             }
-                            Some(model) => reply(model, &request, &events, &cancel),
+                            Some(model) => reply(model, &mut draft, &request, &events, &cancel),
                         },
                     }
                 }
@@ -425,6 +446,7 @@ fn resume(
 
 fn reply(
     loaded: &Loaded,
+    draft: &mut Option<(PathBuf, DraftModel)>,
     request: &ReplyRequest,
     events: &mpsc::UnboundedSender<ReplyEvent>,
     cancel: &AtomicBool,
@@ -495,7 +517,7 @@ fn reply(
         let mut stream = loaded.tokenizer.as_ref().map(|t| TextStream::new(t, Vec::new()));
         let mut text = String::new();
         let mut first_token = None;
-        let result = generate(model, &mut caches, &generation, |token| {
+        let on_token = |token| {
             first_token.get_or_insert_with(|| started.elapsed());
             if !stop_tokens.contains(&token)
                 && let Some(stream) = stream.as_mut()
@@ -506,7 +528,25 @@ fn reply(
                 let _ = events.send(ReplyEvent::Text { text: piece });
             }
             if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
-        })?;
+        };
+        let mut lookup = PromptLookup::default();
+        let method: Option<&mut dyn DraftMethod> = match &request.speculation {
+            Speculation::Off => None,
+            Speculation::Lookup => Some(&mut lookup),
+            Speculation::Draft(path) => Some(draft_model(loaded, draft, path)?),
+        };
+        let result = match method {
+            Some(method) => speculative::generate(
+                model,
+                &mut caches,
+                &prompt[..reused],
+                &generation,
+                method,
+                DraftLength::default(),
+                on_token,
+            )?,
+            None => generate(model, &mut caches, &generation, on_token)?,
+        };
         let checkpoint = match &request.checkpoint_to {
             Some(path) => {
                 let held: Vec<u32> = prompt
@@ -554,11 +594,39 @@ fn reply(
             ttft_ms: first_token.map_or(s.ttft_ms, |t| t.as_secs_f64() * 1e3),
             decode_tok_s: s.decode_tok_s,
             peak_mem_bytes: s.peak_mem_bytes,
+            spec: result.spec.clone(),
         });
         Ok(())
     })();
     if let Err(error) = outcome {
         let _ = events.send(ReplyEvent::Failed { message: error.to_string(), kind: error.kind() });
+    }
+}
+
+/// The draft model in `path`, loaded on first use and kept for the next replies. A draft that
+/// cannot serve this model is a reply error that says how to get out of it.
+fn draft_model<'d>(
+    loaded: &Loaded,
+    draft: &'d mut Option<(PathBuf, DraftModel)>,
+    path: &std::path::Path,
+) -> Result<&'d mut DraftModel> {
+    if draft.as_ref().is_none_or(|(p, _)| p != path) {
+        *draft = None;
+        let model = DraftModel::check_same_tokenizer(&loaded.info.path, path)
+            .and_then(|()| DraftModel::load(path));
+        let model = model.map_err(|e| Error::Reported {
+            kind: ErrorKind::ModelLoad,
+            message: format!(
+                "The draft model in {} cannot be used: {e}. Pick another draft model, or turn \
+                 speculative decoding off in this conversation's settings.",
+                path.display()
+            ),
+        })?;
+        *draft = Some((path.to_path_buf(), model));
+    }
+    match draft {
+        Some((_, model)) => Ok(model),
+        None => Err(Error::Engine("the draft model vanished".into())),
     }
 }
 

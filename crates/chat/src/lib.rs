@@ -260,6 +260,13 @@ impl Chat {
                 "temperature must be 0–5, top-p 0–1, and max tokens at least 1".into(),
             ));
         }
+        if let view::Speculation::Draft { model } = &settings.speculation
+            && !Path::new(model).join("config.json").is_file()
+        {
+            return Err(Error::Invalid(format!(
+                "no model at {model}: a draft model is a model folder with a config.json"
+            )));
+        }
         let mut value = self.store.conversation(id).await?.settings;
         merge(&mut value, serde_json::to_value(settings).unwrap_or_default());
         Ok(self.store.set_settings(id, &value).await?)
@@ -651,6 +658,11 @@ impl Chat {
             max_soft_tokens: settings.max_soft_tokens as usize,
             raw_prompt,
             ignore_eos,
+            speculation: match &settings.speculation {
+                view::Speculation::Off => actor::Speculation::Off,
+                view::Speculation::Lookup => actor::Speculation::Lookup,
+                view::Speculation::Draft { model } => actor::Speculation::Draft(model.into()),
+            },
         };
         if let Some(generation) = lock(&self.running).get_mut(&conversation) {
             generation.reply = Some(reply.id);
@@ -685,6 +697,7 @@ impl Chat {
                     ttft_ms,
                     decode_tok_s,
                     peak_mem_bytes,
+                    spec,
                 } => {
                     // Checkpoint bookkeeping never costs the reply itself.
                     if let Err(e) = self
@@ -714,6 +727,14 @@ impl Chat {
                         ttft_ms,
                         decode_tok_s,
                         peak_mem_bytes: peak_mem_bytes as u64,
+                        spec: spec.map(|s| view::SpecView {
+                            acceptance_rate: s.acceptance_rate(),
+                            mean_accepted_length: s.mean_accepted_length(),
+                            method: s.method,
+                            rounds: s.rounds as u32,
+                            proposed: s.proposed as u32,
+                            accepted: s.accepted as u32,
+                        }),
                     };
                     let mut stats = serde_json::to_value(&stats).unwrap_or_default();
                     // Kept for the CLI, beyond what the UI shows.

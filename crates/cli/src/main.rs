@@ -7,6 +7,7 @@
 //! - `quince bench-ops`: per-op overhead of our binding vs Python `mlx`, side by side.
 
 mod bench_ops;
+mod bench_spec;
 mod converse;
 mod doctor;
 mod run;
@@ -37,6 +38,9 @@ enum Command {
     DemoModel(run::DemoArgs),
     /// Per-op overhead of this binding vs Python `mlx`, printed side by side.
     BenchOps(bench_ops::Args),
+    /// Speculative decoding's costs and gains: verify windows vs a decode step, 0% acceptance,
+    /// the model drafting for itself.
+    BenchSpec(bench_spec::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -53,5 +57,6 @@ fn main() -> anyhow::Result<()> {
         Command::Doctor(args) => doctor::run(&args),
         Command::DemoModel(args) => run::demo_model(&args),
         Command::BenchOps(args) => bench_ops::run(&args),
+        Command::BenchSpec(args) => bench_spec::run(&args),
     }
 }

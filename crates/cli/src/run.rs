@@ -8,6 +8,7 @@ use anyhow::{Context, bail};
 use engine::generate::{Flow, GenerateRequest, generate as run_generation};
 use engine::models::{self, Model, Phase};
 use engine::sampling::SamplingParams;
+use engine::speculative::assistant::Gemma4Assistant;
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
 use engine::speculative::{self, DraftLength, DraftMethod, SpecStats};
@@ -71,8 +72,12 @@ pub struct GenerateArgs {
     json: bool,
     /// Speculative decoding with the draft model in this folder (it must share the target's
     /// tokenizer).
-    #[arg(long, conflicts_with = "lookup")]
+    #[arg(long, conflicts_with_all = ["lookup", "assistant"])]
     draft: Option<PathBuf>,
+    /// Speculative decoding with the Gemma 4 assistant drafter (a `gemma4_assistant`
+    /// checkpoint) in this folder.
+    #[arg(long, conflicts_with = "lookup")]
+    assistant: Option<PathBuf>,
     /// Speculative decoding with prompt lookup (n-gram matches in the prompt and the reply).
     #[arg(long)]
     lookup: bool,
@@ -146,7 +151,7 @@ pub struct BenchArgs {
 
 /// The prompt `quince bench` and its mlx-lm counterpart both use: fixed pseudo-random ids that
 /// avoid the lowest (special) ids.
-fn synthetic_prompt(n: usize, vocab: u32) -> Vec<u32> {
+pub(crate) fn synthetic_prompt(n: usize, vocab: u32) -> Vec<u32> {
     (0..n as u32).map(|i| 3 + (i * 7919 + 13) % (vocab - 3)).collect()
 }
 
@@ -178,7 +183,7 @@ fn expand_images(tokens: &[u32], model: &dyn Model, counts: &[usize]) -> anyhow:
     Ok(engine::vision::gemma4::expand_image_tokens(tokens, image, boi, eoi, counts)?)
 }
 
-fn load(path: &PathBuf) -> anyhow::Result<Box<dyn Model>> {
+pub(crate) fn load(path: &PathBuf) -> anyhow::Result<Box<dyn Model>> {
     models::load(path).with_context(|| format!("loading the model at {}", path.display()))
 }
 
@@ -267,13 +272,14 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         prefill_step: 512,
         images,
     };
-    let mut method: Option<Box<dyn DraftMethod>> = match (&args.draft, args.lookup) {
+    let mut method: Option<Box<dyn DraftMethod>> = match (&args.draft, &args.assistant) {
         (Some(dir), _) => {
             DraftModel::check_same_tokenizer(&args.model, dir)?;
             Some(Box::new(DraftModel::load(dir)?))
         }
-        (None, true) => Some(Box::new(PromptLookup::default())),
-        (None, false) => None,
+        (None, Some(dir)) => Some(Box::new(Gemma4Assistant::load(dir)?)),
+        (None, None) if args.lookup => Some(Box::new(PromptLookup::default())),
+        (None, None) => None,
     };
     let length = DraftLength { max: args.num_draft, adaptive: !args.fixed_draft };
     let mut out = std::io::stdout().lock();

@@ -108,6 +108,30 @@ fn speculative_generate_reports_spec_and_the_golden_tokens() {
         assert_eq!(spec["method"], method);
     }
     assert!(run(&[]).get("spec").is_none(), "plain decoding reports no spec");
+    // The Gemma 4 assistant on the target it was made for gives that target's greedy tokens.
+    let dir = root().join("tests/golden/assistant");
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let list = |key: &str| -> Vec<String> {
+        golden[key].as_array().unwrap().iter().map(|t| t.to_string()).collect()
+    };
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(dir.join("target"))
+        .args(["--tokens", &list("prompt").join(","), "--max-tokens", "64", "--ignore-eos"])
+        .args(["--json", "--assistant"])
+        .arg(dir.join("assistant"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value =
+        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
+            .unwrap();
+    let tokens: Vec<String> =
+        json["token_ids"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
+    assert_eq!(tokens, list("greedy"));
+    assert_eq!(json["spec"]["method"], "assistant");
+    assert!(json["spec"]["proposed"].as_u64().unwrap() > 0);
     // A draft model with another tokenizer is refused before anything runs.
     let copy = |from: &std::path::Path, tokenizer: &str| {
         let dir = tempfile::tempdir().unwrap();

@@ -124,6 +124,10 @@ pub trait Cache: std::fmt::Debug {
     /// The stored buffers, to evaluate after a prefill chunk (as mlx-lm evaluates its caches'
     /// state) without computing logits nobody reads.
     fn buffers(&self) -> Vec<Array>;
+    /// Keys and values `[B, H, N, D]` of every stored position, in slot order (a full ring's
+    /// oldest position is not first): what a drafter that attends the target's keys without a
+    /// mask reads. `None` while empty.
+    fn stored(&self) -> Result<Option<(Array, Array)>>;
     /// The valid positions and metadata, for a checkpoint file.
     fn state(&self) -> Result<CacheState>;
     /// Replaces this cache's contents with a saved state of the same signature.

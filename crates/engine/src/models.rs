@@ -84,11 +84,16 @@ pub trait Model: std::fmt::Debug {
     fn max_context(&self) -> usize;
     /// Token ids that end a reply according to the config (`eos_token_id`).
     fn eos_token_ids(&self) -> Vec<u32>;
-    /// Whether this model provides a port draft methods read (none yet: the Gemma 4
-    /// assistant's port arrives with the assistant).
+    /// The Gemma 4 assistant's port, when this model provides it.
+    fn assistant_rows(&self) -> Option<&dyn crate::speculative::AssistantRows> {
+        None
+    }
+    /// Whether this model provides a port draft methods read.
     fn provides(&self, port: crate::speculative::TargetPort) -> bool {
-        let _ = port;
-        false
+        match port {
+            crate::speculative::TargetPort::AssistantRows => self.assistant_rows().is_some(),
+            _ => false,
+        }
     }
 }
 

@@ -12,8 +12,11 @@
 //! Methods ([`DraftMethod`]) name the target ports they read ([`TargetPort`]) and are refused
 //! before they allocate anything when the target lacks one ([`target_lacks`]):
 //! - [`lookup::PromptLookup`]: n-gram matches in the conversation, no model;
-//! - [`draft_model::DraftModel`]: a smaller model with the same tokenizer.
+//! - [`draft_model::DraftModel`]: a smaller model with the same tokenizer;
+//! - [`assistant::Gemma4Assistant`]: Gemma 4's assistant drafter, reading the target's own keys,
+//!   values and hidden state through [`TargetPort::AssistantRows`].
 
+pub mod assistant;
 pub mod draft_model;
 pub mod lookup;
 
@@ -48,9 +51,48 @@ impl TargetPort {
     }
 }
 
+/// Keys and values `[B, H, N, D]`.
+pub type KeyValues = (Array, Array);
+
+/// What the target's last sliding and last full attention layers attend; either is absent
+/// when the target has no layer of that type.
+#[derive(Debug, Clone, Default)]
+pub struct DonorKv {
+    /// The last sliding-window layer's.
+    pub sliding: Option<KeyValues>,
+    /// The last full-attention layer's.
+    pub full: Option<KeyValues>,
+}
+
+/// The [`TargetPort::AssistantRows`] port: what the Gemma 4 assistant reads from its target.
+pub trait AssistantRows {
+    /// The target's residual width.
+    fn hidden_size(&self) -> usize;
+    /// Head dimensions of the target's sliding and full attention layers.
+    fn head_dims(&self) -> (i32, i32);
+    /// The target's input embedding of `ids` `[B, T]`, scaled as the target scales it.
+    fn embed(&self, ids: &Array) -> Result<Array>;
+    /// Keys and values of every stored position of the last layer of each type (its donor's
+    /// cache).
+    fn donor_kv(&self, caches: &[Box<dyn AttentionCache>]) -> Result<DonorKv>;
+    /// The final-normed hidden state `[B, T, H]` of the rows of the target's last forward
+    /// pass.
+    fn last_hidden(&self) -> Option<Array>;
+}
+
 /// The refusal for a target that does not provide a port a method reads.
 pub fn target_lacks(port: TargetPort) -> Error {
     Error::InvalidRequest(format!("the target model does not provide {}", port.as_str()))
+}
+
+/// The target a method drafts for, as it stands between rounds: its caches hold every
+/// conversation token but the bonus.
+#[derive(Debug, Clone, Copy)]
+pub struct Target<'a> {
+    /// The target model.
+    pub model: &'a dyn Model,
+    /// Its caches.
+    pub caches: &'a [Box<dyn AttentionCache>],
 }
 
 /// A source of draft tokens.
@@ -66,13 +108,15 @@ pub trait DraftMethod: std::fmt::Debug {
     fn bind(&mut self, target: &dyn Model) -> Result<()>;
     /// A new generation: `context` is every token the target's caches hold after the prompt's
     /// prefill (the whole conversation so far).
-    fn start(&mut self, context: &[u32]) -> Result<()>;
+    fn start(&mut self, target: Target<'_>, context: &[u32]) -> Result<()>;
     /// Up to `max` tokens to follow `context` (the conversation so far), whose last token (the
     /// bonus) the target has not appended yet. Fewer, or none, when the method has nothing
     /// worth verifying.
-    fn propose(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>>;
-    /// After each [`DraftMethod::propose`]: the target kept the first `accepted` drafts.
-    fn settle(&mut self, accepted: usize) -> Result<()>;
+    fn propose(&mut self, target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>>;
+    /// After each round (its verify window appended and rolled back to what it kept) or
+    /// plain decode step: the target kept the first `accepted` drafts, and its last forward
+    /// pass's row `accepted` produced the next bonus.
+    fn settle(&mut self, target: Target<'_>, accepted: usize) -> Result<()>;
 }
 
 /// How many tokens a round drafts.
@@ -158,7 +202,7 @@ pub fn generate(
     }
     // The whole conversation, as the method sees it.
     let mut context: Vec<u32> = earlier.iter().chain(&request.prompt).copied().collect();
-    method.start(&context)?;
+    method.start(Target { model, caches }, &context)?;
     let mut bonus = sampler.sample(&logits, &out.history)?.item::<u32>()?;
     context.push(bonus);
     if let Some(reason) = out.emit(bonus) {
@@ -171,11 +215,8 @@ pub fn generate(
         let budget = out.remaining().saturating_sub(1);
         let mut drafts = Vec::new();
         if budget > 0 {
-            drafts = method.propose(&context, k.min(budget))?;
+            drafts = method.propose(Target { model, caches }, &context, k.min(budget))?;
             drafts.truncate(k.min(budget));
-            if drafts.is_empty() {
-                method.settle(0)?;
-            }
         }
         if drafts.is_empty() {
             // Nothing to verify: a plain decode step.
@@ -186,6 +227,7 @@ pub fn generate(
             if let Some(reason) = out.emit(bonus) {
                 break reason;
             }
+            method.settle(Target { model, caches }, 0)?;
             continue;
         }
         let mut window = Vec::with_capacity(drafts.len() + 1);
@@ -229,7 +271,7 @@ pub fn generate(
             break reason;
         }
         bonus = picks[accepted];
-        method.settle(accepted)?;
+        method.settle(Target { model, caches }, accepted)?;
         if length.adaptive {
             k = if accepted == drafts.len() {
                 (k + 2).min(length.max)

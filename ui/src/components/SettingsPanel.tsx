@@ -1,9 +1,13 @@
 import { useState } from "react";
-import type { ConversationDetail, Settings } from "../ipc/bindings";
+import type { ConversationDetail, ModelEntry, Settings, Speculation } from "../ipc/bindings";
 import { Modal } from "./Modal";
 
+/** The settings typed into number fields. */
+type NumberKey = Exclude<keyof Settings, "speculation">;
+type NumberSettings = Omit<Settings, "speculation">;
+
 type Field = {
-  key: keyof Settings;
+  key: NumberKey;
   label: string;
   testId?: string;
   step: string;
@@ -23,8 +27,8 @@ const FIELDS: Field[] = [
 ];
 
 /** Parses the form; returns the settings or a readable problem. */
-export function parseSettings(values: Record<keyof Settings, string>): Settings | string {
-  const out = {} as Settings;
+export function parseSettings(values: Record<NumberKey, string>): NumberSettings | string {
+  const out = {} as NumberSettings;
   for (const f of FIELDS) {
     const raw = values[f.key].trim();
     const n = Number(raw);
@@ -37,17 +41,32 @@ export function parseSettings(values: Record<keyof Settings, string>): Settings 
   return out;
 }
 
+/** The select's value for a speculation setting: "off", "lookup" or "draft:<folder>". */
+export function speculationValue(s: Speculation): string {
+  return s.method === "draft" ? `draft:${s.model}` : s.method;
+}
+
+export function parseSpeculation(value: string): Speculation {
+  if (value.startsWith("draft:")) return { method: "draft", model: value.slice("draft:".length) };
+  return value === "lookup" ? { method: "lookup" } : { method: "off" };
+}
+
 export function SettingsPanel({
   detail,
+  models,
   onSave,
   onClose,
 }: {
   detail: ConversationDetail;
+  /** The library: any model that loads can draft for one with the same tokenizer. */
+  models: ModelEntry[];
   onSave: (prompt: string, settings: Settings) => Promise<void>;
   onClose: () => void;
 }) {
   const [prompt, setPrompt] = useState(detail.system_prompt);
-  const [values, setValues] = useState<Record<keyof Settings, string>>(() => ({
+  const [speculation, setSpeculation] = useState(() => speculationValue(detail.settings.speculation));
+  const drafts = models.filter((m) => m.problem === null);
+  const [values, setValues] = useState<Record<NumberKey, string>>(() => ({
     temperature: String(detail.settings.temperature),
     top_p: String(detail.settings.top_p),
     top_k: String(detail.settings.top_k),
@@ -67,7 +86,7 @@ export function SettingsPanel({
     setProblem(null);
     setSaving(true);
     try {
-      await onSave(prompt, parsed);
+      await onSave(prompt, { ...parsed, speculation: parseSpeculation(speculation) });
     } finally {
       setSaving(false);
     }
@@ -109,6 +128,21 @@ export function SettingsPanel({
             </label>
           ))}
         </div>
+        <label className="field wide" title="Drafts are checked by the model itself: replies are the same, only faster when drafts are accepted">
+          <span>Speculative decoding</span>
+          <select data-testid="speculation" value={speculation} onChange={(e) => setSpeculation(e.target.value)}>
+            <option value="off">Off</option>
+            <option value="lookup">Prompt lookup (no model)</option>
+            {drafts.map((m) => (
+              <option key={m.path} value={`draft:${m.path}`}>
+                Draft model: {m.name}
+              </option>
+            ))}
+            {speculation.startsWith("draft:") && !drafts.some((m) => `draft:${m.path}` === speculation) ? (
+              <option value={speculation}>Draft model: {speculation.slice("draft:".length)}</option>
+            ) : null}
+          </select>
+        </label>
         {problem ? (
           <div className="form-problem" role="alert">
             {problem}

@@ -37,7 +37,43 @@ decode_tok_s: number,
 /**
  * Peak memory while generating, bytes.
  */
-peak_mem_bytes: number, };
+peak_mem_bytes: number, 
+/**
+ * Speculative decoding's counts, when it ran.
+ */
+spec: SpecView | null, };
+
+export type SpecView = { 
+/**
+ * `lookup` or `draft`.
+ */
+method: string, 
+/**
+ * Verify rounds.
+ */
+rounds: number, 
+/**
+ * Draft tokens proposed.
+ */
+proposed: number, 
+/**
+ * Draft tokens the target accepted.
+ */
+accepted: number, 
+/**
+ * accepted / proposed.
+ */
+acceptance_rate: number, 
+/**
+ * Drafts accepted per round.
+ */
+mean_accepted_length: number, };
+
+export type Speculation = { "method": "off" } | { "method": "lookup" } | { "method": "draft", 
+/**
+ * The draft model's folder.
+ */
+model: string, };
 
 export type AttachmentView = { 
 /**
@@ -159,7 +195,11 @@ seed: number,
 /**
  * Soft tokens per image (Gemma 4: 70, 140, 280, 560 or 1120).
  */
-max_soft_tokens: number, };
+max_soft_tokens: number, 
+/**
+ * Speculative decoding.
+ */
+speculation: Speculation, };
 
 export type ConversationSummary = { 
 /**

@@ -13,6 +13,7 @@ describe("statsLine", () => {
         ttft_ms: 123.4,
         decode_tok_s: 45.63,
         peak_mem_bytes: 0,
+        spec: null,
       }),
     ).toBe("TTFT 123 ms · 45.6 tok/s · 12 prompt + 34 generated tokens");
   });
@@ -28,7 +29,24 @@ describe("statsLine", () => {
         ttft_ms: 9.2,
         decode_tok_s: 45.63,
         peak_mem_bytes: 0,
+        spec: null,
       }),
     ).toBe("TTFT 9 ms · 45.6 tok/s · 1,200 reused + 12 prefilled + 34 generated tokens");
+  });
+
+  it("adds speculative decoding's acceptance", () => {
+    expect(
+      statsLine({
+        stop_reason: "length",
+        prompt_tokens: 40,
+        reused_tokens: 0,
+        resumed: false,
+        generated_tokens: 128,
+        ttft_ms: 20,
+        decode_tok_s: 143.2,
+        peak_mem_bytes: 0,
+        spec: { method: "draft", rounds: 41, proposed: 131, accepted: 86, acceptance_rate: 86 / 131, mean_accepted_length: 86 / 41 },
+      }),
+    ).toBe("TTFT 20 ms · 143.2 tok/s · 40 prompt + 128 generated tokens · draft: 66% accepted (86/131), 2.1 per round");
   });
 });

@@ -14,5 +14,12 @@ export function statsLine(s: ReplyStats): string {
     s.resumed && s.reused_tokens > 0
       ? `${s.reused_tokens.toLocaleString("en-US")} reused + ${s.prompt_tokens - s.reused_tokens} prefilled + ${s.generated_tokens} generated tokens`
       : `${s.prompt_tokens} prompt + ${s.generated_tokens} generated tokens`;
-  return [`TTFT ${fmtNumber(s.ttft_ms, 0)} ms`, `${fmtNumber(s.decode_tok_s, 1)} tok/s`, tokens].join(" · ");
+  const parts = [`TTFT ${fmtNumber(s.ttft_ms, 0)} ms`, `${fmtNumber(s.decode_tok_s, 1)} tok/s`, tokens];
+  if (s.spec) {
+    const method = s.spec.method === "lookup" ? "lookup" : "draft";
+    parts.push(
+      `${method}: ${fmtNumber(s.spec.acceptance_rate * 100, 0)}% accepted (${s.spec.accepted}/${s.spec.proposed}), ${fmtNumber(s.spec.mean_accepted_length, 1)} per round`,
+    );
+  }
+  return parts.join(" · ");
 }

@@ -80,6 +80,7 @@ describe("chatReducer", () => {
         ttft_ms: 10,
         decode_tok_s: 50,
         peak_mem_bytes: 0,
+        spec: null,
       },
     });
     s = chatReducer(s, { type: "done", conversationId: 1, reply: final });

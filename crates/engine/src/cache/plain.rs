@@ -97,6 +97,17 @@ impl Cache for PlainCache {
         self.keys.iter().chain(&self.values).cloned().collect()
     }
 
+    fn stored(&self) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        let end = self.offset as i32;
+        Ok(Some((
+            k.slice(&[0, 0, 0, 0], &bounds(k, end)?, &[1, 1, 1, 1])?,
+            v.slice(&[0, 0, 0, 0], &bounds(v, end)?, &[1, 1, 1, 1])?,
+        )))
+    }
+
     fn state(&self) -> Result<CacheState> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Err(Error::InvalidRequest("an empty cache has no state to save".into()));

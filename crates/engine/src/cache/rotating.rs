@@ -173,6 +173,20 @@ impl Cache for RotatingCache {
         self.keys.iter().chain(&self.values).cloned().collect()
     }
 
+    fn stored(&self) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        if self.len == self.window {
+            return Ok(Some((k.clone(), v.clone())));
+        }
+        let slots = |b: &Array| {
+            let s = b.shape();
+            b.slice(&[0, 0, 0, 0], &[s[0], s[1], self.len as i32, s[3]], &[1, 1, 1, 1])
+        };
+        Ok(Some((slots(k)?, slots(v)?)))
+    }
+
     fn state(&self) -> Result<CacheState> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Err(Error::InvalidRequest("an empty cache has no state to save".into()));

@@ -198,7 +198,7 @@ impl Gemma4TextConfig {
 
 /// Rotary embedding of one layer type.
 #[derive(Debug, Clone)]
-struct Rope {
+pub(crate) struct Rope {
     dims: i32,
     traditional: bool,
     base: f32,
@@ -207,7 +207,7 @@ struct Rope {
 }
 
 impl Rope {
-    fn new(params: &RopeParameters, dims: i32, traditional: bool) -> Result<Rope> {
+    pub(crate) fn new(params: &RopeParameters, dims: i32, traditional: bool) -> Result<Rope> {
         let freqs = if params.rope_type == "proportional" {
             // As mlx-lm's ProportionalRoPE: rotated = int(dims · factor_partial), periods
             // factor · θ^(2i/dims) for the rotated pairs, infinite for the rest.
@@ -236,15 +236,15 @@ impl Rope {
 }
 
 #[derive(Debug)]
-struct Attention {
+pub(crate) struct Attention {
     q_proj: Linear,
     /// `None` on KV-shared layers.
     kv: Option<KeyValue>,
     o_proj: Linear,
     q_norm: RmsNorm,
     heads: i32,
-    head_dim: i32,
-    sliding: bool,
+    pub(crate) head_dim: i32,
+    pub(crate) sliding: bool,
 }
 
 #[derive(Debug)]
@@ -272,10 +272,10 @@ struct PerLayerInput {
 }
 
 #[derive(Debug)]
-struct DecoderLayer {
-    attention: Attention,
+pub(crate) struct DecoderLayer {
+    pub(crate) attention: Attention,
     mlp: Mlp,
-    input_layernorm: RmsNorm,
+    pub(crate) input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
     pre_feedforward_layernorm: RmsNorm,
     post_feedforward_layernorm: RmsNorm,
@@ -314,6 +314,9 @@ pub struct Gemma4Text {
     boi_eoi: Option<(u32, u32)>,
     /// `use_bidirectional_attention == "vision"`: image blocks attend both ways in prefill.
     bidirectional_vision: bool,
+    /// The final-normed hidden state of the last forward pass's rows (a handle into its graph:
+    /// no extra work), for drafters that read it.
+    last_hidden: std::cell::RefCell<Option<Array>>,
 }
 
 #[derive(Debug)]
@@ -457,6 +460,7 @@ impl Gemma4Text {
             image_token_id: id("image_token_id"),
             boi_eoi,
             bidirectional_vision,
+            last_hidden: std::cell::RefCell::new(None),
             activations: Activations::new()?,
             constants,
             config,
@@ -503,7 +507,7 @@ impl Weights<'_> {
     }
 }
 
-fn load_layer(
+pub(crate) fn load_layer(
     w: &Weights<'_>,
     c: &Gemma4TextConfig,
     i: usize,
@@ -587,7 +591,7 @@ impl Attention {
     /// Keys and values come from every row of `x`; queries from its last `query_rows` rows
     /// (all of them outside a last-row-only prefill).
     #[allow(clippy::too_many_arguments)]
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: &Array,
         query_rows: i32,
@@ -640,6 +644,27 @@ impl Attention {
         let out =
             out.transpose(&[0, 2, 1, 3])?.reshape(&[b, query_rows, self.heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, own))
+    }
+}
+
+impl DecoderLayer {
+    /// Everything after attention: the residual, the MLP, the per-layer input (`per_layer`:
+    /// this layer's `[B, T, W]` slice) and the layer scalar.
+    pub(crate) fn finish(
+        &self,
+        mut h: Array,
+        attn: &Array,
+        per_layer: Option<&Array>,
+        act: &Activations,
+    ) -> Result<Array> {
+        h = h.add(&self.post_attention_layernorm.forward(attn)?)?;
+        let ff = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&h)?, act)?;
+        h = h.add(&self.post_feedforward_layernorm.forward(&ff)?)?;
+        if let (Some(pl), Some(slice)) = (&self.per_layer, per_layer) {
+            let gate = act.geglu(&pl.gate.forward(&h)?, slice)?;
+            h = h.add(&pl.post_norm.forward(&pl.projection.forward(&gate)?)?)?;
+        }
+        Ok(h.multiply(&self.layer_scalar)?)
     }
 }
 
@@ -703,23 +728,23 @@ impl Gemma4Text {
                 (h, per_layer) = last_rows(&h, per_layer.as_ref())?;
                 offset += length - 1;
             }
-            h = h.add(&layer.post_attention_layernorm.forward(&attn)?)?;
-            let ff = layer
-                .mlp
-                .forward(&layer.pre_feedforward_layernorm.forward(&h)?, &self.activations)?;
-            h = h.add(&layer.post_feedforward_layernorm.forward(&ff)?)?;
-            if let (Some(pl), Some(inputs)) = (&layer.per_layer, &per_layer) {
-                let s = inputs.shape();
-                let li = i as i32;
-                let slice = inputs
-                    .slice(&[0, 0, li, 0], &[s[0], s[1], li + 1, s[3]], &[1, 1, 1, 1])?
-                    .squeeze(&[2])?;
-                let gate = self.activations.geglu(&pl.gate.forward(&h)?, &slice)?;
-                h = h.add(&pl.post_norm.forward(&pl.projection.forward(&gate)?)?)?;
-            }
-            h = h.multiply(&layer.layer_scalar)?;
+            let slice = match &per_layer {
+                Some(inputs) => {
+                    let s = inputs.shape();
+                    let li = i as i32;
+                    Some(
+                        inputs
+                            .slice(&[0, 0, li, 0], &[s[0], s[1], li + 1, s[3]], &[1, 1, 1, 1])?
+                            .squeeze(&[2])?,
+                    )
+                }
+                None => None,
+            };
+            h = layer.finish(h, &attn, slice.as_ref(), &self.activations)?;
         }
         let h = self.norm.forward(&h)?;
+        // Drafters that read the target's final hidden state take it from here.
+        *self.last_hidden.borrow_mut() = Some(h.clone());
         let logits = match &self.lm_head {
             Some(head) => head.forward(&h)?,
             None => self.embed_tokens.as_linear(&h)?,
@@ -836,6 +861,10 @@ impl Model for Gemma4Text {
         self.config.max_position_embeddings
     }
 
+    fn assistant_rows(&self) -> Option<&dyn crate::speculative::AssistantRows> {
+        Some(self)
+    }
+
     fn eos_token_ids(&self) -> Vec<u32> {
         match &self.config.eos_token_id {
             Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
@@ -847,9 +876,47 @@ impl Model for Gemma4Text {
     }
 }
 
+impl crate::speculative::AssistantRows for Gemma4Text {
+    fn hidden_size(&self) -> usize {
+        self.config.hidden_size as usize
+    }
+
+    fn head_dims(&self) -> (i32, i32) {
+        (self.config.head_dim, self.config.global_head_dim.unwrap_or(self.config.head_dim))
+    }
+
+    fn embed(&self, ids: &Array) -> Result<Array> {
+        Ok(self.embed_tokens.forward(ids)?.multiply(&self.constants.embed_scale)?)
+    }
+
+    fn donor_kv(&self, caches: &[Box<dyn AttentionCache>]) -> Result<crate::speculative::DonorKv> {
+        // The last layer of each type attends its donor's cache (or its own).
+        let last_of = |sliding: bool| {
+            self.layers
+                .iter()
+                .rposition(|l| l.attention.sliding == sliding)
+                .map(|i| self.kv_source[i])
+        };
+        let read = |layer: Option<usize>| -> Result<Option<crate::speculative::KeyValues>> {
+            match layer.and_then(|i| caches.get(i)) {
+                Some(cache) => cache.stored(),
+                None => Ok(None),
+            }
+        };
+        Ok(crate::speculative::DonorKv {
+            sliding: read(last_of(true))?,
+            full: read(last_of(false))?,
+        })
+    }
+
+    fn last_hidden(&self) -> Option<Array> {
+        self.last_hidden.borrow().clone()
+    }
+}
+
 /// How a forward pass appends to the caches.
 #[derive(Debug)]
-enum Append<'a> {
+pub(crate) enum Append<'a> {
     Window,
     Decode,
     /// A window whose image blocks (runs of flags) attend bidirectionally.

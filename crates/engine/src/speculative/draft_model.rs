@@ -5,7 +5,7 @@ use std::path::Path;
 
 use mlx::Array;
 
-use super::DraftMethod;
+use super::{DraftMethod, Target};
 use crate::cache::AttentionCache;
 use crate::error::{Error, Result};
 use crate::models::{Model, Phase, Rows};
@@ -70,7 +70,7 @@ impl DraftMethod for DraftModel {
         Ok(())
     }
 
-    fn start(&mut self, context: &[u32]) -> Result<()> {
+    fn start(&mut self, _target: Target<'_>, context: &[u32]) -> Result<()> {
         if context.len() >= self.model.max_context() {
             return Err(Error::InvalidRequest(format!(
                 "the conversation ({} tokens) is longer than the draft model's context of {}",
@@ -89,7 +89,7 @@ impl DraftMethod for DraftModel {
         Ok(())
     }
 
-    fn propose(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>> {
+    fn propose(&mut self, _target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>> {
         if self.round.is_some() {
             return Err(Error::InvalidRequest("draft model: propose before settling".into()));
         }
@@ -124,7 +124,7 @@ impl DraftMethod for DraftModel {
         Ok(tokens)
     }
 
-    fn settle(&mut self, accepted: usize) -> Result<()> {
+    fn settle(&mut self, _target: Target<'_>, accepted: usize) -> Result<()> {
         let Some((pending, drafted)) = self.round.take() else {
             return Ok(());
         };

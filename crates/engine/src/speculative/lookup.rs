@@ -2,7 +2,7 @@
 //! conversation's last n-gram. No model, no state; strong on replies that quote the prompt
 //! (code edits, summaries, extraction).
 
-use super::DraftMethod;
+use super::{DraftMethod, Target};
 use crate::error::{Error, Result};
 use crate::models::Model;
 
@@ -60,15 +60,15 @@ impl DraftMethod for PromptLookup {
         Ok(())
     }
 
-    fn start(&mut self, _context: &[u32]) -> Result<()> {
+    fn start(&mut self, _target: Target<'_>, _context: &[u32]) -> Result<()> {
         Ok(())
     }
 
-    fn propose(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>> {
+    fn propose(&mut self, _target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>> {
         Ok(self.find(context, max))
     }
 
-    fn settle(&mut self, _accepted: usize) -> Result<()> {
+    fn settle(&mut self, _target: Target<'_>, _accepted: usize) -> Result<()> {
         Ok(())
     }
 }

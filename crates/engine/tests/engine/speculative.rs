@@ -7,9 +7,10 @@ use std::path::PathBuf;
 use engine::generate::{Flow, GenerateRequest, Generation, generate};
 use engine::models::{self, Model};
 use engine::sampling::SamplingParams;
+use engine::speculative::assistant::Gemma4Assistant;
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
-use engine::speculative::{self, DraftLength, DraftMethod, TargetPort};
+use engine::speculative::{self, DraftLength, DraftMethod, Target, TargetPort};
 use engine::vision::gemma4::preprocess;
 use engine::vision::image::load_rgb;
 use mlx::{Array, Dtype};
@@ -67,6 +68,8 @@ fn methods() -> Vec<(&'static str, Box<dyn DraftMethod>)> {
         ("draft q8", Box::new(DraftModel::new(load("dense_q8")))),
         // Another model with the same vocabulary: a draft that is mostly wrong.
         ("draft k_eq_v", Box::new(DraftModel::new(load("k_eq_v")))),
+        // The assistant, reading this target's keys, values and hidden state.
+        ("assistant", Box::new(assistant())),
     ]
 }
 
@@ -201,25 +204,25 @@ impl Model for OtherVocabulary {
 
 /// A method reading a port no model provides yet.
 #[derive(Debug)]
-struct NeedsAssistantRows;
+struct NeedsHiddenLayerTaps;
 
-impl DraftMethod for NeedsAssistantRows {
+impl DraftMethod for NeedsHiddenLayerTaps {
     fn name(&self) -> &'static str {
-        "needs-assistant-rows"
+        "needs-hidden-layer-taps"
     }
     fn ports(&self) -> &'static [TargetPort] {
-        &[TargetPort::AssistantRows]
+        &[TargetPort::HiddenLayerTaps]
     }
     fn bind(&mut self, _: &dyn Model) -> engine::Result<()> {
         panic!("bound to a target that lacks its port");
     }
-    fn start(&mut self, _: &[u32]) -> engine::Result<()> {
+    fn start(&mut self, _: Target<'_>, _: &[u32]) -> engine::Result<()> {
         panic!("started on a target that lacks its port");
     }
-    fn propose(&mut self, _: &[u32], _: usize) -> engine::Result<Vec<u32>> {
+    fn propose(&mut self, _: Target<'_>, _: &[u32], _: usize) -> engine::Result<Vec<u32>> {
         unreachable!()
     }
-    fn settle(&mut self, _: usize) -> engine::Result<()> {
+    fn settle(&mut self, _: Target<'_>, _: usize) -> engine::Result<()> {
         unreachable!()
     }
 }
@@ -234,12 +237,12 @@ fn a_target_without_a_port_or_with_another_vocabulary_is_refused_up_front() {
         &mut caches,
         &[],
         &request,
-        &mut NeedsAssistantRows,
+        &mut NeedsHiddenLayerTaps,
         DraftLength::default(),
         |_| Flow::Continue,
     )
     .unwrap_err();
-    assert!(err.to_string().contains("does not provide assistantRows"), "{err}");
+    assert!(err.to_string().contains("does not provide hiddenLayerTaps"), "{err}");
     assert_eq!(caches[0].offset(), 0, "nothing ran");
     let mut method = DraftModel::new(Box::new(OtherVocabulary));
     let err = speculative::generate(
@@ -254,4 +257,165 @@ fn a_target_without_a_port_or_with_another_vocabulary_is_refused_up_front() {
     .unwrap_err();
     assert!(err.to_string().contains("vocabulary"), "{err}");
     assert_eq!(caches[0].offset(), 0, "nothing ran");
+    // The assistant reads a port this model does not provide.
+    let mut caches = OtherVocabulary.new_caches_or_empty();
+    let err = speculative::generate(
+        &OtherVocabulary,
+        &mut caches,
+        &[],
+        &request,
+        &mut assistant(),
+        DraftLength::default(),
+        |_| Flow::Continue,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("does not provide assistantRows"), "{err}");
+}
+
+impl OtherVocabulary {
+    fn new_caches_or_empty(&self) -> Vec<Box<dyn engine::cache::AttentionCache>> {
+        Vec::new()
+    }
+}
+
+/// The Gemma 4 assistant, recording what it proposes; optionally replacing its drafts with
+/// `schedule[round % len]` right ones (the golden greedy tokens) and wrong ones after, as the
+/// golden's oracle run does, so that rounds accept 0–3 drafts.
+#[derive(Debug)]
+struct Recorded {
+    inner: Gemma4Assistant,
+    proposals: Vec<Vec<u32>>,
+    oracle: Option<(Vec<usize>, Vec<u32>, usize)>, // schedule, greedy continuation, prompt length
+}
+
+impl DraftMethod for Recorded {
+    fn name(&self) -> &'static str {
+        "assistant"
+    }
+    fn ports(&self) -> &'static [TargetPort] {
+        self.inner.ports()
+    }
+    fn bind(&mut self, target: &dyn Model) -> engine::Result<()> {
+        self.inner.bind(target)
+    }
+    fn start(&mut self, target: Target<'_>, context: &[u32]) -> engine::Result<()> {
+        self.inner.start(target, context)
+    }
+    fn propose(
+        &mut self,
+        target: Target<'_>,
+        context: &[u32],
+        max: usize,
+    ) -> engine::Result<Vec<u32>> {
+        let drafts = self.inner.propose(target, context, max)?;
+        let round = self.proposals.len();
+        self.proposals.push(drafts.clone());
+        Ok(match &self.oracle {
+            None => drafts,
+            Some((schedule, greedy, prompt)) => {
+                let emitted = context.len() - prompt;
+                let right = schedule[round % schedule.len()];
+                (0..drafts.len())
+                    .map(|j| {
+                        let want = greedy[emitted + j];
+                        if j < right { want } else { (want + 1) % 512 }
+                    })
+                    .collect()
+            }
+        })
+    }
+    fn settle(&mut self, target: Target<'_>, accepted: usize) -> engine::Result<()> {
+        self.inner.settle(target, accepted)
+    }
+}
+
+fn assistant() -> Gemma4Assistant {
+    Gemma4Assistant::load(golden("assistant/assistant")).unwrap()
+}
+
+fn int_rows(value: &serde_json::Value) -> Vec<Vec<u32>> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_i64().unwrap())
+                .filter(|&t| t >= 0)
+                .map(|t| t as u32)
+                .collect()
+        })
+        .collect()
+}
+
+fn ints(value: &serde_json::Value) -> Vec<u32> {
+    value.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+fn the_assistant_drafts_what_mlx_vlm_drafts_every_round() {
+    let golden_json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(golden("assistant/golden.json")).unwrap())
+            .unwrap();
+    let target = models::load(golden("assistant/target")).unwrap();
+    let prompt = ints(&golden_json["prompt"]);
+    let greedy = ints(&golden_json["greedy"]);
+    let request = GenerateRequest::new(prompt.clone(), greedy.len());
+    assert_eq!(plain(target.as_ref(), &request).tokens, greedy, "the target is mlx-vlm's");
+    for (oracle, drafts_key, accepted_key) in [
+        (false, "round_drafts", "round_accepted"),
+        (true, "oracle_round_drafter_drafts", "oracle_round_accepted"),
+    ] {
+        let want_drafts = int_rows(&golden_json[drafts_key]);
+        let want_accepted = ints(&golden_json[accepted_key]);
+        let mut method = Recorded {
+            inner: assistant(),
+            proposals: Vec::new(),
+            oracle: oracle.then(|| {
+                let schedule =
+                    ints(&golden_json["oracle_schedule"]).into_iter().map(|n| n as usize).collect();
+                (schedule, greedy.clone(), prompt.len())
+            }),
+        };
+        let (got, _) = speculative(
+            target.as_ref(),
+            &request,
+            &mut method,
+            DraftLength { max: 3, adaptive: false },
+        );
+        assert_eq!(got.tokens, greedy, "oracle {oracle}");
+        let spec = got.spec.unwrap();
+        // mlx-vlm drafts one token past what the budget can emit in its last rounds; every
+        // round before is the same round.
+        let rounds = method.proposals.len();
+        assert!(
+            rounds + 2 >= want_drafts.len() && rounds <= want_drafts.len(),
+            "{rounds} rounds, mlx-vlm {}",
+            want_drafts.len()
+        );
+        for (i, (ours, theirs)) in method.proposals.iter().zip(&want_drafts).enumerate() {
+            assert!(
+                !ours.is_empty() && theirs.starts_with(ours),
+                "oracle {oracle}, round {i}: {ours:?} vs mlx-vlm {theirs:?}"
+            );
+        }
+        if oracle {
+            // Each round accepts what the schedule makes right, within what was drafted: the
+            // rounds mlx-vlm ran with the same drafts accepted the same.
+            let schedule = ints(&golden_json["oracle_schedule"]);
+            let mut expected = 0;
+            for (i, proposal) in method.proposals.iter().enumerate() {
+                let accepted = (schedule[i % schedule.len()] as usize).min(proposal.len());
+                if proposal.len() == want_drafts[i].len() {
+                    assert_eq!(accepted, want_accepted[i] as usize, "round {i}");
+                }
+                expected += accepted;
+            }
+            assert_eq!(spec.accepted, expected, "{spec:?}");
+        } else {
+            assert_eq!(spec.accepted, 0, "random weights: the drafts never match");
+        }
+    }
 }
