@@ -338,6 +338,52 @@ pub(crate) fn decode_step(
     sampler.sample(&logits.reshape(&[1, v])?, history)
 }
 
+/// How a run of decode steps ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Decoded {
+    /// Generation is over.
+    Ended(StopReason),
+    /// The step limit was reached; this token was emitted and is not appended yet.
+    Paused(u32),
+}
+
+/// Emits `y` (a lazy token from the last forward pass) and decodes after it, one step per
+/// token, building each step on the still-lazy token before reading it when `pipelined` (no
+/// penalty needs the token first), until generation ends or `limit` tokens were emitted.
+pub(crate) fn decode_loop<F: FnMut(u32) -> Flow>(
+    model: &dyn Model,
+    caches: &mut [Box<dyn AttentionCache>],
+    sampler: &mut Sampler,
+    mut y: Array,
+    out: &mut Emitter<'_, F>,
+    limit: usize,
+    pipelined: bool,
+) -> Result<Decoded> {
+    mlx::async_eval(&[&y])?;
+    let mut emitted = 0;
+    loop {
+        let more = out.remaining() > 1 && emitted + 1 < limit;
+        let mut next = None;
+        if more && pipelined {
+            let n = decode_step(model, caches, sampler, &y, &out.history)?;
+            mlx::async_eval(&[&n])?;
+            next = Some(n);
+        }
+        let token = y.item::<u32>()?;
+        emitted += 1;
+        if let Some(reason) = out.emit(token) {
+            return Ok(Decoded::Ended(reason));
+        }
+        if !more {
+            return Ok(Decoded::Paused(token));
+        }
+        y = match next {
+            Some(n) => n,
+            None => decode_step(model, caches, sampler, &y, &out.history)?,
+        };
+    }
+}
+
 /// Generates after appending `request.prompt` to `caches`, streaming each token to `on_token`.
 pub fn generate(
     model: &dyn Model,
@@ -353,24 +399,9 @@ pub fn generate(
     if request.max_tokens == 0 {
         return out.finish(StopReason::MaxTokens);
     }
-    let mut y = sampler.sample(&logits, &out.history)?;
-    mlx::async_eval(&[&y])?;
-    let stop_reason = loop {
-        // Build the next step on the still-lazy token before reading it.
-        let more = out.tokens.len() + 1 < request.max_tokens;
-        let mut next = None;
-        if more && pipelined {
-            let n = decode_step(model, caches, &mut sampler, &y, &out.history)?;
-            mlx::async_eval(&[&n])?;
-            next = Some(n);
-        }
-        if let Some(reason) = out.emit(y.item::<u32>()?) {
-            break reason;
-        }
-        y = match next {
-            Some(n) => n,
-            None => decode_step(model, caches, &mut sampler, &y, &out.history)?,
-        };
-    };
-    out.finish(stop_reason)
+    let y = sampler.sample(&logits, &out.history)?;
+    match decode_loop(model, caches, &mut sampler, y, &mut out, usize::MAX, pipelined)? {
+        Decoded::Ended(reason) => out.finish(reason),
+        Decoded::Paused(_) => out.finish(StopReason::MaxTokens),
+    }
 }

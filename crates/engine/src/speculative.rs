@@ -24,7 +24,10 @@ use mlx::Array;
 
 use crate::cache::AttentionCache;
 use crate::error::{Error, Result};
-use crate::generate::{Emitter, Flow, GenerateRequest, Generation, StopReason, decode_step, start};
+use crate::generate::{
+    Decoded, Emitter, Flow, GenerateRequest, Generation, StopReason, decode_loop, decode_step,
+    start,
+};
 use crate::models::{Model, Phase};
 use crate::sampling::Sampler;
 
@@ -208,8 +211,30 @@ pub fn generate(
     if let Some(reason) = out.emit(bonus) {
         return with_stats(out.finish(reason), stats);
     }
+    let pipelined =
+        request.sampling.repetition_penalty == 1.0 && request.sampling.presence_penalty == 0.0;
     let mut k = length.max;
+    // Adaptive only: after rounds that accepted nothing at one draft, decode this many tokens
+    // plainly (pipelined) before trying again, doubling up to MAX_BACKOFF while drafts keep
+    // failing, so that a method that cannot guess this text costs almost nothing.
+    let mut backoff = 0usize;
+    let mut failures = 0u32;
     let stop_reason = loop {
+        if backoff > 0 {
+            let token = Array::from_slice(&[bonus], &[1])?;
+            let y = decode_step(model, caches, &mut sampler, &token, &out.history)?;
+            let before = out.tokens.len();
+            let decoded =
+                decode_loop(model, caches, &mut sampler, y, &mut out, backoff, pipelined)?;
+            context.extend_from_slice(&out.tokens[before..]);
+            match decoded {
+                Decoded::Ended(reason) => break reason,
+                Decoded::Paused(token) => bonus = token,
+            }
+            method.settle(Target { model, caches }, 0)?;
+            backoff = 0;
+            continue;
+        }
         // A round never drafts past the token budget: the bonus and k drafts emit at most
         // k + 1 tokens.
         let budget = out.remaining().saturating_sub(1);
@@ -278,10 +303,19 @@ pub fn generate(
             } else {
                 k.saturating_sub(1).max(1)
             };
+            if accepted > 0 {
+                failures = 0;
+            } else if drafts.len() == 1 {
+                failures += 1;
+                backoff = (1usize << failures.min(8)).min(MAX_BACKOFF);
+            }
         }
     };
     with_stats(out.finish(stop_reason), stats)
 }
+
+/// The most tokens decoded plainly between two rounds after drafts kept failing.
+const MAX_BACKOFF: usize = 32;
 
 fn with_stats(generation: Result<Generation>, stats: SpecStats) -> Result<Generation> {
     generation.map(|g| Generation { spec: Some(stats), ..g })

@@ -419,3 +419,70 @@ fn the_assistant_drafts_what_mlx_vlm_drafts_every_round() {
         }
     }
 }
+
+/// Drafts that are always wrong.
+#[derive(Debug)]
+struct AlwaysWrong;
+
+impl DraftMethod for AlwaysWrong {
+    fn name(&self) -> &'static str {
+        "always-wrong"
+    }
+    fn bind(&mut self, _: &dyn Model) -> engine::Result<()> {
+        Ok(())
+    }
+    fn start(&mut self, _: Target<'_>, _: &[u32]) -> engine::Result<()> {
+        Ok(())
+    }
+    fn propose(&mut self, _: Target<'_>, _: &[u32], max: usize) -> engine::Result<Vec<u32>> {
+        // Token 0 (padding) is never a pick of this model.
+        Ok(vec![0; max])
+    }
+    fn settle(&mut self, _: Target<'_>, _: usize) -> engine::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn failing_drafts_back_off_to_plain_decoding_and_stop_where_it_stops() {
+    let model = load("dense");
+    let sampled = SamplingParams { temperature: 0.8, seed: 5, ..SamplingParams::default() };
+    for sampling in [SamplingParams::default(), sampled] {
+        let request = GenerateRequest { sampling, ..GenerateRequest::new(text_prompt(), 100) };
+        let want = plain(model.as_ref(), &request);
+        let (got, offset) =
+            speculative(model.as_ref(), &request, &mut AlwaysWrong, DraftLength::default());
+        assert_eq!(got.tokens, want.tokens);
+        assert_eq!(offset, request.prompt.len() + 99);
+        let spec = got.spec.unwrap();
+        assert_eq!(spec.accepted, 0);
+        // Four drafts, then three, two, one; then rounds of one draft between plain runs of
+        // 2, 4, 8, 16, 32, 32 tokens: far fewer rounds than tokens.
+        assert!(spec.rounds < 15, "{spec:?}");
+        // Stopped by the callback in the middle of a plain run: the caches end where plain
+        // decoding's would.
+        for stop_at in [7, 30, 61] {
+            let mut caches = model.new_caches().unwrap();
+            let mut seen = 0;
+            let got = speculative::generate(
+                model.as_ref(),
+                &mut caches,
+                &[],
+                &request,
+                &mut AlwaysWrong,
+                DraftLength::default(),
+                |_| {
+                    seen += 1;
+                    if seen == stop_at { Flow::Stop } else { Flow::Continue }
+                },
+            )
+            .unwrap();
+            assert_eq!(got.tokens, want.tokens[..stop_at]);
+            let held = caches[0].offset();
+            // Plain decoding builds the step after a token before reading it, so a stop may
+            // leave that token appended too; never more.
+            let base = request.prompt.len() + stop_at - 1;
+            assert!(held == base || held == base + 1, "stop at {stop_at}: {held}");
+        }
+    }
+}
