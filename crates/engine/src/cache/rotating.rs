@@ -115,6 +115,48 @@ impl RotatingCache {
     /// a rollback is the ring of plain decoding.
     fn ring_append(&mut self, keys: &Array, values: &Array) -> Result<()> {
         let length = keys.dim(2)? as usize;
+        if let (Some(kbuf), Some(vbuf)) = (&self.keys, &self.values)
+            && length < self.window
+        {
+            // Into the slots from the cursor on, wrapping to slot 0: what `length` decode
+            // steps write, in one or two updates.
+            let first = length.min(self.window - self.cursor);
+            let at = self.cursor as i32;
+            let write = |buffer: &Array, new: &Array| -> Result<Array> {
+                let s = new.shape();
+                let part = |from: usize, to: usize| {
+                    new.slice(
+                        &[0, 0, from as i32, 0],
+                        &[s[0], s[1], to as i32, s[3]],
+                        &[1, 1, 1, 1],
+                    )
+                };
+                let head = if first == length { new.clone() } else { part(0, first)? };
+                let mut out = buffer.slice_update(
+                    &head,
+                    &[0, 0, at, 0],
+                    &[s[0], s[1], at + first as i32, s[3]],
+                    &[1, 1, 1, 1],
+                )?;
+                if first < length {
+                    let rest = (length - first) as i32;
+                    out = out.slice_update(
+                        &part(first, length)?,
+                        &[0, 0, 0, 0],
+                        &[s[0], s[1], rest, s[3]],
+                        &[1, 1, 1, 1],
+                    )?;
+                }
+                Ok(out)
+            };
+            let (kbuf, vbuf) = (write(kbuf, keys)?, write(vbuf, values)?);
+            self.keys = Some(kbuf);
+            self.values = Some(vbuf);
+            self.len = (self.len + length).min(self.window);
+            self.cursor = (self.cursor + length) % self.window;
+            self.offset += length;
+            return Ok(());
+        }
         let keep = (self.len + length).min(self.window);
         // Stored positions that survive, oldest first, then the new ones.
         let survivors = keep.saturating_sub(length).min(self.len);
@@ -401,7 +443,7 @@ impl RotatingCache {
                     ReadMask::Causal
                 }
             }
-            None => ReadMask::Array(window_mask(length, prior_len, self.window)?),
+            None => ReadMask::Array(shared_window_mask(length, prior_len, self.window)?),
         };
         if self.round.is_some() {
             // Inside a round, positions go where decode steps would put them.
@@ -438,6 +480,26 @@ fn ring_layout(temporal: &Array, cursor: usize) -> Result<Array> {
     let older = temporal.slice(&[0, 0, 0, 0], &[s[0], s[1], split, s[3]], &[1, 1, 1, 1])?;
     let newer = temporal.slice(&[0, 0, split, 0], &[s[0], s[1], n, s[3]], &[1, 1, 1, 1])?;
     Ok(ops::concatenate(&[&newer, &older], 2)?)
+}
+
+thread_local! {
+    /// The last window mask made, with its geometry: every sliding layer of one forward pass
+    /// appends with the same geometry, so they share one mask (one node in the graph).
+    static LAST_MASK: std::cell::RefCell<Option<((usize, usize, usize), Array)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// [`window_mask`], made once for a run of appends with the same geometry.
+fn shared_window_mask(length: usize, prior: usize, window: usize) -> Result<Array> {
+    let key = (length, prior, window);
+    if let Some(mask) =
+        LAST_MASK.with_borrow(|m| m.as_ref().filter(|(k, _)| *k == key).map(|(_, a)| a.clone()))
+    {
+        return Ok(mask);
+    }
+    let mask = window_mask(length, prior, window)?;
+    LAST_MASK.with_borrow_mut(|m| *m = Some((key, mask.clone())));
+    Ok(mask)
 }
 
 /// `[L, P + L]` bool: query `i` (at column `P + i`) sees column `j` when `j <= P + i` and
