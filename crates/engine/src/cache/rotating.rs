@@ -482,10 +482,13 @@ fn ring_layout(temporal: &Array, cursor: usize) -> Result<Array> {
     Ok(ops::concatenate(&[&newer, &older], 2)?)
 }
 
+/// A window mask's geometry: new positions, prior positions, window.
+type MaskKey = (usize, usize, usize);
+
 thread_local! {
     /// The last window mask made, with its geometry: every sliding layer of one forward pass
     /// appends with the same geometry, so they share one mask (one node in the graph).
-    static LAST_MASK: std::cell::RefCell<Option<((usize, usize, usize), Array)>> =
+    static LAST_MASK: std::cell::RefCell<Option<(MaskKey, Array)>> =
         const { std::cell::RefCell::new(None) };
 }
 
