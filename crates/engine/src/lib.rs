@@ -5,6 +5,8 @@
 //! ([`models::gemma4::Gemma4Text`]) builds its layers from it, [`models::Model::new_caches`]
 //! makes one cache per layer that stores keys and values, and [`generate::generate`] prefills
 //! the prompt through window appends and decodes token by token, streaming each one.
+//! [`speculative::generate`] does the same with a draft method, verifying drafts in windows
+//! and rolling the caches back to what the target kept: the same tokens, in fewer passes.
 //!
 //! Start reading at [`cache`]: its traits carry the invariants the rest relies on (the phase
 //! is the method name; caches own their attention reads; signatures are explicit).
