@@ -32,7 +32,10 @@ beforeEach(() => {
   handlers.clear();
   conv = makeDetail(1, []);
   handlers.set("list_models", () => ({
-    models: [{ path: "demo", name: "Demo (untrained)", source: "demo", vision: false, bytes: 0, problem: null }],
+    models: [
+      { path: "demo", name: "Demo (untrained)", source: "demo", vision: false, bytes: 0, problem: null, drafter: false },
+      { path: "/m/assistant", name: "assistant", source: "folder", vision: false, bytes: 9, problem: null, drafter: true },
+    ],
     loaded: null,
     default_model: "demo",
   }));
@@ -133,11 +136,13 @@ describe("App", () => {
     for (const [choice, want] of [
       ["lookup", { method: "lookup" }],
       ["draft:demo", { method: "draft", model: "demo" }],
+      ["assistant:/m/assistant", { method: "assistant", model: "/m/assistant" }],
       ["off", { method: "off" }],
     ] as const) {
       fireEvent.click(screen.getByTestId("settings-button"));
       const select = (await screen.findByTestId("speculation")) as HTMLSelectElement;
-      expect(Array.from(select.options).map((o) => o.value)).toEqual(["off", "lookup", "draft:demo"]);
+      // Chat models draft; the assistant drafter is offered as one, not as a draft model.
+      expect(Array.from(select.options).map((o) => o.value)).toEqual(["off", "lookup", "draft:demo", "assistant:/m/assistant"]);
       fireEvent.change(select, { target: { value: choice } });
       await act(async () => {
         fireEvent.click(screen.getByTestId("settings-save"));

@@ -9,6 +9,7 @@ use engine::generate::{Flow, GenerateRequest, StopReason, generate, image_runs, 
 use engine::kv_file::{self, Identity};
 use engine::models::{self, Model};
 use engine::sampling::SamplingParams;
+use engine::speculative::assistant::Gemma4Assistant;
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
 use engine::speculative::{self, DraftLength, DraftMethod, SpecStats};
@@ -88,6 +89,8 @@ pub enum Speculation {
     Lookup,
     /// With the draft model in this folder.
     Draft(PathBuf),
+    /// With the Gemma 4 assistant in this folder.
+    Assistant(PathBuf),
 }
 
 /// A checkpoint written after a reply.
@@ -217,8 +220,8 @@ impl Engine {
             .name("quince-engine".into())
             .spawn(move || {
                 let mut loaded: Option<Loaded> = None;
-                // The last draft model used, kept loaded for the next reply.
-                let mut draft: Option<(PathBuf, DraftModel)> = None;
+                // The last draft model and assistant used, kept loaded for the next reply.
+                let mut drafters = Drafters::default();
                 for command in inbox {
                     match command {
                         Command::Shutdown => break,
@@ -241,7 +244,7 @@ impl Engine {
                                     kind: ErrorKind::ModelMissing,
                                 });
                             }
-                            Some(model) => reply(model, &mut draft, &request, &events, &cancel),
+                            Some(model) => reply(model, &mut drafters, &request, &events, &cancel),
                         },
                     }
                 }
@@ -446,7 +449,7 @@ fn resume(
 
 fn reply(
     loaded: &Loaded,
-    draft: &mut Option<(PathBuf, DraftModel)>,
+    drafters: &mut Drafters,
     request: &ReplyRequest,
     events: &mpsc::UnboundedSender<ReplyEvent>,
     cancel: &AtomicBool,
@@ -530,11 +533,19 @@ fn reply(
             if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
         };
         let mut lookup = PromptLookup::default();
-        let method: Option<&mut dyn DraftMethod> = match &request.speculation {
+        let mut method: Option<&mut dyn DraftMethod> = match &request.speculation {
             Speculation::Off => None,
             Speculation::Lookup => Some(&mut lookup),
-            Speculation::Draft(path) => Some(draft_model(loaded, draft, path)?),
+            Speculation::Draft(path) => Some(drafters.draft(loaded, path)?),
+            Speculation::Assistant(path) => Some(drafters.assistant(path)?),
         };
+        // A drafter made for another model is refused here, with the way out.
+        if let (Some(m), Speculation::Draft(path) | Speculation::Assistant(path)) =
+            (method.as_deref_mut(), &request.speculation)
+        {
+            let what = if m.name() == "assistant" { "assistant" } else { "draft model" };
+            m.bind(model).map_err(|e| unusable(what, path, e))?;
+        }
         let result = match method {
             Some(method) => speculative::generate(
                 model,
@@ -603,30 +614,50 @@ fn reply(
     }
 }
 
-/// The draft model in `path`, loaded on first use and kept for the next replies. A draft that
-/// cannot serve this model is a reply error that says how to get out of it.
-fn draft_model<'d>(
-    loaded: &Loaded,
-    draft: &'d mut Option<(PathBuf, DraftModel)>,
-    path: &std::path::Path,
-) -> Result<&'d mut DraftModel> {
-    if draft.as_ref().is_none_or(|(p, _)| p != path) {
-        *draft = None;
-        let model = DraftModel::check_same_tokenizer(&loaded.info.path, path)
-            .and_then(|()| DraftModel::load(path));
-        let model = model.map_err(|e| Error::Reported {
-            kind: ErrorKind::ModelLoad,
-            message: format!(
-                "The draft model in {} cannot be used: {e}. Pick another draft model, or turn \
-                 speculative decoding off in this conversation's settings.",
-                path.display()
-            ),
-        })?;
-        *draft = Some((path.to_path_buf(), model));
+/// Draft models and assistants, loaded on first use and kept for the next replies.
+#[derive(Default)]
+struct Drafters {
+    draft: Option<(PathBuf, DraftModel)>,
+    assistant: Option<(PathBuf, Gemma4Assistant)>,
+}
+
+/// The error for a drafter that cannot serve this model: it says how to get out of it.
+fn unusable(what: &str, path: &std::path::Path, e: impl std::fmt::Display) -> Error {
+    Error::Reported {
+        kind: ErrorKind::ModelLoad,
+        message: format!(
+            "The {what} in {} cannot be used: {e}. Pick another one, or turn speculative \
+             decoding off in this conversation's settings.",
+            path.display()
+        ),
     }
-    match draft {
-        Some((_, model)) => Ok(model),
-        None => Err(Error::Engine("the draft model vanished".into())),
+}
+
+impl Drafters {
+    fn draft(&mut self, loaded: &Loaded, path: &std::path::Path) -> Result<&mut DraftModel> {
+        if self.draft.as_ref().is_none_or(|(p, _)| p != path) {
+            self.draft = None;
+            let model = DraftModel::check_same_tokenizer(&loaded.info.path, path)
+                .and_then(|()| DraftModel::load(path))
+                .map_err(|e| unusable("draft model", path, e))?;
+            self.draft = Some((path.to_path_buf(), model));
+        }
+        match &mut self.draft {
+            Some((_, model)) => Ok(model),
+            None => Err(Error::Engine("the draft model vanished".into())),
+        }
+    }
+
+    fn assistant(&mut self, path: &std::path::Path) -> Result<&mut Gemma4Assistant> {
+        if self.assistant.as_ref().is_none_or(|(p, _)| p != path) {
+            self.assistant = None;
+            let model = Gemma4Assistant::load(path).map_err(|e| unusable("assistant", path, e))?;
+            self.assistant = Some((path.to_path_buf(), model));
+        }
+        match &mut self.assistant {
+            Some((_, model)) => Ok(model),
+            None => Err(Error::Engine("the assistant vanished".into())),
+        }
     }
 }
 

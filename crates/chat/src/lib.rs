@@ -260,12 +260,23 @@ impl Chat {
                 "temperature must be 0–5, top-p 0–1, and max tokens at least 1".into(),
             ));
         }
-        if let view::Speculation::Draft { model } = &settings.speculation
-            && !Path::new(model).join("config.json").is_file()
-        {
-            return Err(Error::Invalid(format!(
-                "no model at {model}: a draft model is a model folder with a config.json"
-            )));
+        match &settings.speculation {
+            view::Speculation::Draft { model }
+                if !Path::new(model).join("config.json").is_file() =>
+            {
+                return Err(Error::Invalid(format!(
+                    "no model at {model}: a draft model is a model folder with a config.json"
+                )));
+            }
+            view::Speculation::Assistant { model }
+                if model_type(Path::new(model)).as_deref() != Some("gemma4_assistant") =>
+            {
+                return Err(Error::Invalid(format!(
+                    "no Gemma 4 assistant at {model}: its config.json must say \
+                     model_type gemma4_assistant"
+                )));
+            }
+            _ => {}
         }
         let mut value = self.store.conversation(id).await?.settings;
         merge(&mut value, serde_json::to_value(settings).unwrap_or_default());
@@ -662,6 +673,9 @@ impl Chat {
                 view::Speculation::Off => actor::Speculation::Off,
                 view::Speculation::Lookup => actor::Speculation::Lookup,
                 view::Speculation::Draft { model } => actor::Speculation::Draft(model.into()),
+                view::Speculation::Assistant { model } => {
+                    actor::Speculation::Assistant(model.into())
+                }
             },
         };
         if let Some(generation) = lock(&self.running).get_mut(&conversation) {
@@ -897,6 +911,13 @@ impl Chat {
         path: &Path,
         mut on_event: impl FnMut(LoadEvent),
     ) -> Result<LoadedModel> {
+        if model_type(path).is_some_and(|t| library::DRAFTERS.contains(&t.as_str())) {
+            return Err(Error::Invalid(format!(
+                "{} is a Gemma 4 assistant drafter, not a chat model: load the model it was made \
+                 for, then choose the assistant under Speculative decoding in the chat's settings",
+                path.display()
+            )));
+        }
         let cancel = Arc::new(AtomicBool::new(false));
         {
             let mut loading = lock(&self.loading);
@@ -991,6 +1012,13 @@ pub fn parse_ids(text: &str) -> Result<Vec<u32>> {
 }
 
 /// The settings stored as JSON, with defaults for what is missing or malformed.
+/// The `model_type` in a folder's `config.json`, if it has one.
+fn model_type(folder: &Path) -> Option<String> {
+    let config = std::fs::read_to_string(folder.join("config.json")).ok()?;
+    let config: serde_json::Value = serde_json::from_str(&config).ok()?;
+    config.get("model_type")?.as_str().map(str::to_string)
+}
+
 fn settings_of(value: &serde_json::Value) -> Settings {
     serde_json::from_value(value.clone()).unwrap_or_default()
 }

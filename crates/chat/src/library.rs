@@ -11,6 +11,9 @@ pub const DEMO_NAME: &str = "Demo (untrained)";
 /// `model_type`s the engine loads.
 const SUPPORTED: &[&str] = &["gemma4", "gemma4_text"];
 
+/// `model_type`s of drafters (speculative decoding only).
+pub const DRAFTERS: &[&str] = &["gemma4_assistant"];
+
 /// Describes the model folder at `path`; `problem` says why it cannot be loaded, if it cannot.
 pub fn describe(path: &Path, source: ModelSource, name: String) -> ModelEntry {
     let mut entry = ModelEntry {
@@ -20,19 +23,22 @@ pub fn describe(path: &Path, source: ModelSource, name: String) -> ModelEntry {
         vision: false,
         bytes: 0,
         problem: None,
+        drafter: false,
     };
     match inspect(path) {
-        Ok((vision, bytes)) => {
+        Ok((vision, bytes, drafter)) => {
             entry.vision = vision;
             entry.bytes = bytes;
+            entry.drafter = drafter;
         }
         Err(problem) => entry.problem = Some(problem),
     }
     entry
 }
 
-/// Whether the folder holds a model the engine can load: (vision, weight bytes) or why not.
-fn inspect(path: &Path) -> Result<(bool, u64), String> {
+/// Whether the folder holds a model the engine can load: (vision, weight bytes, drafter) or
+/// why not.
+fn inspect(path: &Path) -> Result<(bool, u64, bool), String> {
     if !path.is_dir() {
         return Err(format!("the folder {} does not exist", path.display()));
     }
@@ -41,7 +47,8 @@ fn inspect(path: &Path) -> Result<(bool, u64), String> {
     let config: serde_json::Value =
         serde_json::from_str(&config).map_err(|e| format!("config.json is not valid JSON: {e}"))?;
     let model_type = config.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
-    if !SUPPORTED.contains(&model_type) {
+    let drafter = DRAFTERS.contains(&model_type);
+    if !SUPPORTED.contains(&model_type) && !drafter {
         return Err(format!(
             "model type {model_type:?} is not supported yet (supported: {})",
             SUPPORTED.join(", ")
@@ -59,11 +66,12 @@ fn inspect(path: &Path) -> Result<(bool, u64), String> {
     if bytes == 0 {
         return Err("no .safetensors weights in the folder".into());
     }
-    if !path.join("tokenizer.json").is_file() {
+    // A drafter reads its target's tokens: it ships no tokenizer.
+    if !drafter && !path.join("tokenizer.json").is_file() {
         return Err("no tokenizer.json in the folder".into());
     }
     let vision = config.get("vision_config").is_some_and(|v| !v.is_null());
-    Ok((vision, bytes))
+    Ok((vision, bytes, drafter))
 }
 
 /// Where the Hugging Face cache is: `HF_HUB_CACHE`, else `HF_HOME/hub`, else
@@ -145,7 +153,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         model(&dir.path().join("good"), "gemma4", true);
         let good = describe(&dir.path().join("good"), ModelSource::Folder, "good".into());
-        assert_eq!((good.problem, good.vision, good.bytes), (None, true, 100));
+        assert_eq!((good.problem.clone(), good.vision, good.bytes), (None, true, 100));
 
         model(&dir.path().join("llama"), "llama", false);
         let llama = describe(&dir.path().join("llama"), ModelSource::Folder, "llama".into());
@@ -157,6 +165,17 @@ mod tests {
         std::fs::create_dir_all(dir.path().join("empty")).unwrap();
         let empty = describe(&dir.path().join("empty"), ModelSource::Folder, "e".into());
         assert!(empty.problem.unwrap().contains("config.json"));
+
+        // An assistant drafter ships no tokenizer (it reads its target's tokens).
+        let assistant = dir.path().join("assistant");
+        model(&assistant, "gemma4_assistant", false);
+        std::fs::remove_file(assistant.join("tokenizer.json")).unwrap();
+        let entry = describe(&assistant, ModelSource::Folder, "a".into());
+        assert_eq!((entry.problem, entry.drafter), (None, true));
+        assert!(!good.drafter);
+        std::fs::remove_file(dir.path().join("good/tokenizer.json")).unwrap();
+        let untokenized = describe(&dir.path().join("good"), ModelSource::Folder, "g".into());
+        assert!(untokenized.problem.unwrap().contains("tokenizer.json"));
     }
 
     #[test]

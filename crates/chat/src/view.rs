@@ -64,6 +64,11 @@ pub enum Speculation {
         /// The draft model's folder.
         model: String,
     },
+    /// Drafts from a Gemma 4 assistant made for the loaded model.
+    Assistant {
+        /// The `gemma4_assistant` folder.
+        model: String,
+    },
 }
 
 /// An image attached to a sent message.
@@ -263,6 +268,10 @@ pub struct ModelEntry {
     pub bytes: u64,
     /// Why it cannot be loaded, if it cannot.
     pub problem: Option<String>,
+    /// A Gemma 4 assistant drafter (`gemma4_assistant`): chosen for speculative decoding in a
+    /// chat's settings, never loaded to chat with.
+    #[serde(default)]
+    pub drafter: bool,
 }
 
 /// The loaded model.

@@ -578,3 +578,75 @@ async fn speculative_replies_are_the_plain_replies_with_acceptance_stats() {
     assert_eq!(detail.messages[0].content, "Hi", "the user's message is kept");
     chat.shutdown();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gemma4_assistant_drafts_in_a_chat_and_is_never_loaded_as_one() {
+    use chat::view::Speculation;
+    let golden = root().join("tests/golden/assistant");
+    let (target, assistant) = (golden.join("target"), golden.join("assistant"));
+    let dir = tempfile::tempdir().unwrap();
+    let chat = Chat::open(&dir.path().join("data")).await.unwrap().with_hf_cache(None);
+    // The library lists the assistant as a drafter; loading it to chat with is refused.
+    chat.add_model_folder(&assistant).await.unwrap();
+    let entry = chat.models().await.unwrap().models.into_iter().find(|m| m.drafter).unwrap();
+    assert_eq!((entry.problem, entry.path), (None, assistant.to_string_lossy().into_owned()));
+    let err = chat.load_model(&assistant, |_| {}).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Invalid);
+    assert!(err.to_string().contains("Speculative decoding"), "{err}");
+    // Raw token turns on the target it was made for: the same replies as plain decoding.
+    chat.load_model(&target, |_| {}).await.unwrap();
+    let golden_json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(golden.join("golden.json")).unwrap())
+            .unwrap();
+    let prompt: Vec<u32> = golden_json["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let mut replies = Vec::new();
+    for speculation in
+        [Speculation::Off, Speculation::Assistant { model: assistant.to_string_lossy().into() }]
+    {
+        let c = chat.create_conversation().await.unwrap().id;
+        chat.set_raw_options(c, true, true).await.unwrap();
+        chat.set_settings(c, &Settings { speculation: speculation.clone(), ..greedy(24) })
+            .await
+            .unwrap();
+        let mut texts = Vec::new();
+        for turn in [&prompt[..], &prompt[..9]] {
+            let reply = chat.send_tokens(c, turn, |_| {}).await.unwrap();
+            let spec = reply.stats.clone().unwrap().spec;
+            match &speculation {
+                Speculation::Off => assert!(spec.is_none()),
+                _ => assert_eq!(spec.unwrap().method, "assistant"),
+            }
+            texts.push(reply.content);
+        }
+        replies.push(texts);
+    }
+    assert_eq!(replies[1], replies[0], "the assistant changes nothing in the replies");
+    // A folder that is no assistant is refused when saved.
+    let c = chat.create_conversation().await.unwrap().id;
+    let wrong = Speculation::Assistant { model: target.to_string_lossy().into() };
+    let err = chat.set_settings(c, &Settings { speculation: wrong, ..greedy(8) }).await;
+    assert_eq!(err.unwrap_err().kind(), ErrorKind::Invalid);
+    chat.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_assistant_made_for_another_model_fails_the_reply_with_a_way_out() {
+    use chat::view::Speculation;
+    let f = fixture();
+    let (chat, c) = ready(&f, 8).await;
+    let assistant = root().join("tests/golden/assistant/assistant");
+    let speculation = Speculation::Assistant { model: assistant.to_string_lossy().into() };
+    chat.set_settings(c, &Settings { speculation, ..greedy(8) }).await.unwrap();
+    let (result, _) = send(&chat, c, "Hi", &[]).await;
+    let err = result.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ModelLoad, "{err}");
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+    assert!(err.to_string().contains("turn speculative"), "{err}");
+    assert_eq!(chat.conversation(c).await.unwrap().messages[0].content, "Hi");
+    chat.shutdown();
+}

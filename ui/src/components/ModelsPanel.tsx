@@ -34,7 +34,8 @@ export function ModelsPanel({
           {models.map((m) => {
             const isLoaded = loaded?.path === m.path;
             const isLoading = loadingPath === m.path;
-            const disabled = m.problem !== null || isLoading;
+            // An assistant drafter is chosen in a chat's settings, never loaded to chat with.
+            const disabled = m.problem !== null || m.drafter || isLoading;
             return (
               <li
                 key={m.path}
@@ -47,13 +48,14 @@ export function ModelsPanel({
                   type="button"
                   className="model-main"
                   disabled={disabled}
-                  title={m.problem ?? m.path}
+                  title={m.problem ?? (m.drafter ? "A Gemma 4 assistant: choose it under Speculative decoding in a chat's settings" : m.path)}
                   onClick={() => onLoad(m)}
                 >
                   <span className="model-name">{m.name}</span>
                   <span className="model-meta">
                     <span className={`badge source-${m.source}`}>{SOURCE_LABEL[m.source]}</span>
                     {m.vision ? <span className="badge vision">vision</span> : null}
+                    {m.drafter ? <span className="badge">assistant drafter</span> : null}
                     {m.bytes > 0 ? <span className="model-size">{formatBytes(m.bytes)}</span> : null}
                     {isLoaded ? <span className="badge ok">loaded</span> : null}
                     {isLoading ? <span className="badge">loading…</span> : null}

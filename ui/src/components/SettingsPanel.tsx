@@ -41,13 +41,15 @@ export function parseSettings(values: Record<NumberKey, string>): NumberSettings
   return out;
 }
 
-/** The select's value for a speculation setting: "off", "lookup" or "draft:<folder>". */
+/** The select's value for a speculation setting: "off", "lookup", "draft:<folder>" or
+ * "assistant:<folder>". */
 export function speculationValue(s: Speculation): string {
-  return s.method === "draft" ? `draft:${s.model}` : s.method;
+  return s.method === "draft" || s.method === "assistant" ? `${s.method}:${s.model}` : s.method;
 }
 
 export function parseSpeculation(value: string): Speculation {
   if (value.startsWith("draft:")) return { method: "draft", model: value.slice("draft:".length) };
+  if (value.startsWith("assistant:")) return { method: "assistant", model: value.slice("assistant:".length) };
   return value === "lookup" ? { method: "lookup" } : { method: "off" };
 }
 
@@ -65,7 +67,9 @@ export function SettingsPanel({
 }) {
   const [prompt, setPrompt] = useState(detail.system_prompt);
   const [speculation, setSpeculation] = useState(() => speculationValue(detail.settings.speculation));
-  const drafts = models.filter((m) => m.problem === null);
+  const drafts = models.filter((m) => m.problem === null && !m.drafter);
+  const assistants = models.filter((m) => m.problem === null && m.drafter);
+  const listed = [...drafts.map((m) => `draft:${m.path}`), ...assistants.map((m) => `assistant:${m.path}`)];
   const [values, setValues] = useState<Record<NumberKey, string>>(() => ({
     temperature: String(detail.settings.temperature),
     top_p: String(detail.settings.top_p),
@@ -138,8 +142,13 @@ export function SettingsPanel({
                 Draft model: {m.name}
               </option>
             ))}
-            {speculation.startsWith("draft:") && !drafts.some((m) => `draft:${m.path}` === speculation) ? (
-              <option value={speculation}>Draft model: {speculation.slice("draft:".length)}</option>
+            {assistants.map((m) => (
+              <option key={m.path} value={`assistant:${m.path}`}>
+                Gemma 4 assistant: {m.name}
+              </option>
+            ))}
+            {speculation.includes(":") && !listed.includes(speculation) ? (
+              <option value={speculation}>{speculation}</option>
             ) : null}
           </select>
         </label>

@@ -73,6 +73,10 @@ export type Speculation = { "method": "off" } | { "method": "lookup" } | { "meth
 /**
  * The draft model's folder.
  */
+model: string, } | { "method": "assistant", 
+/**
+ * The `gemma4_assistant` folder.
+ */
 model: string, };
 
 export type AttachmentView = { 
@@ -297,7 +301,12 @@ bytes: number,
 /**
  * Why it cannot be loaded, if it cannot.
  */
-problem: string | null, };
+problem: string | null, 
+/**
+ * A Gemma 4 assistant drafter (`gemma4_assistant`): chosen for speculative decoding in a
+ * chat's settings, never loaded to chat with.
+ */
+drafter: boolean, };
 
 export type LoadedModel = { 
 /**

@@ -16,7 +16,7 @@ export function statsLine(s: ReplyStats): string {
       : `${s.prompt_tokens} prompt + ${s.generated_tokens} generated tokens`;
   const parts = [`TTFT ${fmtNumber(s.ttft_ms, 0)} ms`, `${fmtNumber(s.decode_tok_s, 1)} tok/s`, tokens];
   if (s.spec) {
-    const method = s.spec.method === "lookup" ? "lookup" : "draft";
+    const method = s.spec.method;
     parts.push(
       `${method}: ${fmtNumber(s.spec.acceptance_rate * 100, 0)}% accepted (${s.spec.accepted}/${s.spec.proposed}), ${fmtNumber(s.spec.mean_accepted_length, 1)} per round`,
     );
