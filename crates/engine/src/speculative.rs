@@ -214,9 +214,10 @@ pub fn generate(
     let pipelined =
         request.sampling.repetition_penalty == 1.0 && request.sampling.presence_penalty == 0.0;
     let mut k = length.max;
-    // Adaptive only: after rounds that accepted nothing at one draft, decode this many tokens
-    // plainly (pipelined) before trying again, doubling up to MAX_BACKOFF while drafts keep
-    // failing, so that a method that cannot guess this text costs almost nothing.
+    // Adaptive only: a round that accepts nothing halves the draft length; after one that
+    // accepted nothing at one draft, decode this many tokens plainly (pipelined) before trying
+    // again, doubling up to MAX_BACKOFF while drafts keep failing, so that a method that
+    // cannot guess this text costs almost nothing.
     let mut backoff = 0usize;
     let mut failures = 0u32;
     let stop_reason = loop {
@@ -300,6 +301,8 @@ pub fn generate(
         if length.adaptive {
             k = if accepted == drafts.len() {
                 (k + 2).min(length.max)
+            } else if accepted == 0 {
+                (k / 2).max(1)
             } else {
                 k.saturating_sub(1).max(1)
             };
@@ -315,7 +318,7 @@ pub fn generate(
 }
 
 /// The most tokens decoded plainly between two rounds after drafts kept failing.
-const MAX_BACKOFF: usize = 32;
+const MAX_BACKOFF: usize = 64;
 
 fn with_stats(generation: Result<Generation>, stats: SpecStats) -> Result<Generation> {
     generation.map(|g| Generation { spec: Some(stats), ..g })

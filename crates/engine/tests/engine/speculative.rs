@@ -456,8 +456,8 @@ fn failing_drafts_back_off_to_plain_decoding_and_stop_where_it_stops() {
         assert_eq!(offset, request.prompt.len() + 99);
         let spec = got.spec.unwrap();
         assert_eq!(spec.accepted, 0);
-        // Four drafts, then three, two, one; then rounds of one draft between plain runs of
-        // 2, 4, 8, 16, 32, 32 tokens: far fewer rounds than tokens.
+        // Four drafts, then two, then one; then rounds of one draft between plain runs of
+        // 2, 4, 8, 16, 32, 64 tokens: far fewer rounds than tokens.
         assert!(spec.rounds < 15, "{spec:?}");
         // Stopped by the callback in the middle of a plain run: the caches end where plain
         // decoding's would.
