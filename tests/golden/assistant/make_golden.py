@@ -17,7 +17,6 @@ the goldens come from the reloaded models: plain greedy, mlx-vlm's MTP speculati
 block size 4 (must equal plain greedy), and what the drafter proposed and saw in every round.
 """
 
-import argparse
 import copy
 import importlib
 import importlib.util
@@ -26,7 +25,6 @@ import shutil
 import sys
 import tempfile
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -522,38 +520,8 @@ def check(out: Path) -> int:
                     g.compare_tensors(a, b, errors)
                 else:
                     errors.append(f"{b}: unexpected file")
-    if errors:
-        print(f"GOLDEN CHECK FAILED: {len(errors)} mismatch(es) between {out} and a fresh run of "
-              f"{Path(__file__).name}:")
-        for e in errors:
-            print("  " + e)
-        print("If the reference changed on purpose, regenerate: "
-              "python tests/golden/assistant/make_golden.py")
-        return 1
-    print(f"golden check ok: {out} matches a fresh generation")
-    return 0
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=HERE, help="output folder (default: %(default)s)")
-    ap.add_argument("--check", action="store_true",
-                    help="regenerate into a temp folder and compare with --out")
-    args = ap.parse_args()
-    found = {"mlx": version("mlx"), "mlx-lm": version("mlx-lm"), "mlx-vlm": version("mlx-vlm")}
-    if found != REFERENCE:
-        print(f"reference versions differ: found {found}, pinned {REFERENCE}", file=sys.stderr)
-        return 1
-    mx.set_default_device(mx.cpu)
-    t0 = time.time()
-    if args.check:
-        rc = check(args.out)
-    else:
-        generate(args.out)
-        rc = 0
-    print(f"done in {time.time() - t0:.1f}s")
-    return rc
+    return g.report(errors, out, Path(__file__))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(g.cli(__doc__, HERE, generate, check))

@@ -466,21 +466,27 @@ def check(out: Path) -> int:
                         errors.append(f"{old / fname}: content differs from a fresh generation")
                 elif fname.endswith(".safetensors"):
                     compare_tensors(new / fname, old / fname, errors)
+    return report(errors, out, Path(__file__))
+
+
+def report(errors: list, out: Path, script: Path) -> int:
+    """Prints the outcome of a golden check; 1 when anything differs."""
     if errors:
         print(f"GOLDEN CHECK FAILED: {len(errors)} mismatch(es) between {out} and a fresh run of "
-              f"{Path(__file__).name}:")
+              f"{script.name}:")
         for e in errors:
             print("  " + e)
-        print("If the reference changed on purpose, regenerate: "
-              "python tests/golden/gemma4/make_golden.py")
+        print(f"If the reference changed on purpose, regenerate: python {script.relative_to(HERE.parents[2])}")
         return 1
     print(f"golden check ok: {out} matches a fresh generation")
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=HERE, help="output folder (default: %(default)s)")
+def cli(doc: str, default_out: Path, generate, check) -> int:
+    """The command line of the golden scripts: `--out DIR` and `--check`, on the pinned
+    reference versions, on the CPU."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=default_out, help="output folder (default: %(default)s)")
     ap.add_argument("--check", action="store_true",
                     help="regenerate into a temp folder and compare with --out")
     args = ap.parse_args()
@@ -500,4 +506,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(__doc__, HERE, generate, check))
