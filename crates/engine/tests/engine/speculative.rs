@@ -231,51 +231,30 @@ impl DraftMethod for NeedsHiddenLayerTaps {
 fn a_target_without_a_port_or_with_another_vocabulary_is_refused_up_front() {
     let model = load("dense");
     let request = GenerateRequest::new(text_prompt(), 8);
-    let mut caches = model.new_caches().unwrap();
-    let err = speculative::generate(
-        model.as_ref(),
-        &mut caches,
-        &[],
-        &request,
-        &mut NeedsHiddenLayerTaps,
-        DraftLength::default(),
-        |_| Flow::Continue,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("does not provide hiddenLayerTaps"), "{err}");
-    assert_eq!(caches[0].offset(), 0, "nothing ran");
-    let mut method = DraftModel::new(Box::new(OtherVocabulary));
-    let err = speculative::generate(
-        model.as_ref(),
-        &mut caches,
-        &[],
-        &request,
-        &mut method,
-        DraftLength::default(),
-        |_| Flow::Continue,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("vocabulary"), "{err}");
-    assert_eq!(caches[0].offset(), 0, "nothing ran");
+    // The refusal's message; the target's caches stay untouched.
+    let refusal = |target: &dyn Model, method: &mut dyn DraftMethod| -> String {
+        let mut caches =
+            if target.vocab_size() == 512 { model.new_caches().unwrap() } else { Vec::new() };
+        let err = speculative::generate(
+            target,
+            &mut caches,
+            &[],
+            &request,
+            method,
+            DraftLength::default(),
+            |_| Flow::Continue,
+        )
+        .unwrap_err();
+        assert!(caches.iter().all(|c| c.offset() == 0), "nothing ran");
+        err.to_string()
+    };
+    let err = refusal(model.as_ref(), &mut NeedsHiddenLayerTaps);
+    assert!(err.contains("does not provide hiddenLayerTaps"), "{err}");
+    let err = refusal(model.as_ref(), &mut DraftModel::new(Box::new(OtherVocabulary)));
+    assert!(err.contains("vocabulary"), "{err}");
     // The assistant reads a port this model does not provide.
-    let mut caches = OtherVocabulary.new_caches_or_empty();
-    let err = speculative::generate(
-        &OtherVocabulary,
-        &mut caches,
-        &[],
-        &request,
-        &mut assistant(),
-        DraftLength::default(),
-        |_| Flow::Continue,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("does not provide assistantRows"), "{err}");
-}
-
-impl OtherVocabulary {
-    fn new_caches_or_empty(&self) -> Vec<Box<dyn engine::cache::AttentionCache>> {
-        Vec::new()
-    }
+    let err = refusal(&OtherVocabulary, &mut assistant());
+    assert!(err.contains("does not provide assistantRows"), "{err}");
 }
 
 /// The Gemma 4 assistant, recording what it proposes; optionally replacing its drafts with
