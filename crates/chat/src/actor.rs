@@ -403,14 +403,15 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 
 /// Restores the longest usable checkpoint into `caches`: one whose tokens share a prefix with
 /// `prompt` (trimmed back to that prefix where the storages allow). Returns the positions
-/// reused and the checkpoint's id; damaged or foreign files are added to `rejected`.
+/// reused and the checkpoint's id with what its file held (every token, and the attachments);
+/// damaged or foreign files are added to `rejected`.
 fn resume(
     loaded: &Loaded,
     candidates: &[ResumeCandidate],
     prompt: &[u32],
     caches: &mut Vec<Box<dyn engine::cache::AttentionCache>>,
     rejected: &mut Vec<(i64, String)>,
-) -> Result<(usize, Option<i64>)> {
+) -> Result<(usize, Option<(i64, kv_file::Contents)>)> {
     let model = loaded.model.as_ref();
     for candidate in candidates {
         let shared = common_prefix(&candidate.tokens, prompt).min(prompt.len() - 1);
@@ -421,14 +422,15 @@ fn resume(
         let mut restored = model.new_caches()?;
         let read =
             kv_file::read(&candidate.path, &candidate.sha256, &loaded.info.identity, &mut restored);
-        let tokens = match read {
-            Ok(tokens) => tokens,
+        let contents = match read {
+            Ok(contents) => contents,
             Err(error) => {
                 rejected.push((candidate.id, error.to_string()));
                 continue;
             }
         };
-        if tokens != candidate.tokens {
+        let tokens = &contents.tokens;
+        if *tokens != candidate.tokens {
             rejected.push((candidate.id, "its tokens differ from the index".into()));
             continue;
         }
@@ -442,7 +444,7 @@ fn resume(
             }
         }
         *caches = restored;
-        return Ok((keep, Some(candidate.id)));
+        return Ok((keep, Some((candidate.id, contents))));
     }
     Ok((0, None))
 }
@@ -497,8 +499,9 @@ fn reply(
         let mut caches = model.new_caches()?;
         let mut rejected = Vec::new();
         let resume_started = std::time::Instant::now();
-        let (reused, resumed_from) =
+        let (reused, resumed) =
             resume(loaded, &request.resume, &prompt, &mut caches, &mut rejected)?;
+        let resumed_from = resumed.as_ref().map(|(id, _)| *id);
         if resumed_from.is_some() {
             let buffers: Vec<mlx::Array> = caches.iter().flat_map(|c| c.buffers()).collect();
             mlx::eval(&buffers.iter().collect::<Vec<_>>())?;
@@ -546,7 +549,11 @@ fn reply(
             let what = if m.name() == "assistant" { "assistant" } else { "draft model" };
             m.bind(model).map_err(|e| unusable(what, path, e))?;
         }
-        let result = match method {
+        // The method's own state kept with the checkpoint (a draft model's caches).
+        if let (Some(m), Some((_, contents))) = (method.as_deref_mut(), &resumed) {
+            m.resume(&contents.attachments, &contents.tokens)?;
+        }
+        let result = match method.as_deref_mut() {
             Some(method) => speculative::generate(
                 model,
                 &mut caches,
@@ -579,11 +586,20 @@ fn reply(
                         render(loaded, &turn, &prepared, false)?
                     }
                 };
+                let attachments = match method.map(|m| m.checkpoint(&boundary)) {
+                    Some(Ok(attachment)) => attachment.into_iter().collect(),
+                    Some(Err(e)) => {
+                        tracing::warn!("the draft method's state is not kept: {e}");
+                        Vec::new()
+                    }
+                    None => Vec::new(),
+                };
                 // The reply stands without its checkpoint (a full disk, say): log and go on.
-                checkpoint_after(loaded, boundary, held, &mut caches, path).unwrap_or_else(|e| {
-                    tracing::warn!(path = %path.display(), "no KV checkpoint written: {e}");
-                    None
-                })
+                checkpoint_after(loaded, boundary, held, &mut caches, path, &attachments)
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(path = %path.display(), "no KV checkpoint written: {e}");
+                        None
+                    })
             }
             None => None,
         };
@@ -673,6 +689,7 @@ fn checkpoint_after(
     held: Vec<u32>,
     caches: &mut [Box<dyn engine::cache::AttentionCache>],
     path: &std::path::Path,
+    attachments: &[kv_file::Attachment],
 ) -> Result<Option<Box<WrittenCheckpoint>>> {
     let keep = cut_outside_images(
         &boundary,
@@ -691,6 +708,6 @@ fn checkpoint_after(
     if boundary.len() > keep {
         prefill(loaded.model.as_ref(), caches, &boundary[keep..], 512)?;
     }
-    let file = kv_file::write(path, caches, &boundary, &loaded.info.identity)?;
+    let file = kv_file::write(path, caches, &boundary, &loaded.info.identity, attachments)?;
     Ok(Some(Box::new(WrittenCheckpoint { file, tokens: boundary })))
 }

@@ -748,6 +748,7 @@ impl Chat {
                             rounds: s.rounds as u32,
                             proposed: s.proposed as u32,
                             accepted: s.accepted as u32,
+                            context_computed: s.context_computed as u32,
                         }),
                     };
                     let mut stats = serde_json::to_value(&stats).unwrap_or_default();
@@ -803,6 +804,7 @@ impl Chat {
         }
         let identity = lock(&self.identity).clone();
         let (Some(written), Some(identity)) = (written, identity) else { return Ok(()) };
+        let attachments = written.file.attachments.clone();
         let new = self
             .store
             .add_checkpoint(&store::Checkpoint {
@@ -821,6 +823,17 @@ impl Chat {
                 last_used_at: 0,
             })
             .await?;
+        for a in attachments {
+            self.store
+                .add_checkpoint_attachment(&store::CheckpointAttachment {
+                    id: 0,
+                    checkpoint_id: new,
+                    schema: a.schema,
+                    metadata: a.metadata,
+                    tensors: a.tensors,
+                })
+                .await?;
+        }
         self.enforce_checkpoint_budget(new).await
     }
 

@@ -47,6 +47,9 @@ pub struct SpecView {
     pub acceptance_rate: f64,
     /// Drafts accepted per round.
     pub mean_accepted_length: f64,
+    /// Conversation tokens the method computed before drafting: a draft model's prefill of
+    /// what its caches lacked (kept from the last reply, or restored with the checkpoint).
+    pub context_computed: u32,
 }
 
 /// How a conversation's replies are decoded: plainly, or speculatively with a draft method

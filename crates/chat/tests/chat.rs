@@ -580,6 +580,58 @@ async fn speculative_replies_are_the_plain_replies_with_acceptance_stats() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_draft_model_keeps_its_caches_with_the_checkpoint_across_a_restart() {
+    use chat::view::Speculation;
+    let f = fixture();
+    let (chat, plain) = ready(&f, 16).await;
+    let c = chat.create_conversation().await.unwrap().id;
+    let draft = Speculation::Draft { model: f.model.to_string_lossy().into() };
+    chat.set_settings(c, &Settings { speculation: draft, ..greedy(16) }).await.unwrap();
+    let turns = ["Name three fruits.", "And three more, please.", "Which is the sweetest?"];
+    let mut texts = (Vec::new(), Vec::new());
+    let computed = |reply: &ThreadMessage| {
+        let stats = reply.stats.clone().unwrap();
+        (stats.spec.unwrap().context_computed, stats.prompt_tokens, stats.reused_tokens)
+    };
+    for text in &turns[..2] {
+        texts.0.push(send(&chat, plain, text, &[]).await.0.unwrap().content);
+        let reply = send(&chat, c, text, &[]).await.0.unwrap();
+        let (computed, prompt, reused) = computed(&reply);
+        if reused > 0 {
+            // The draft model kept its caches from the first reply.
+            assert!(
+                computed < prompt - reused + 8,
+                "{computed} of {prompt} computed, {reused} reused"
+            );
+        }
+        texts.1.push(reply.content);
+    }
+    // The draft's caches went into the checkpoint's file, indexed as an attachment.
+    let newest = chat.store().checkpoints_by_use().await.unwrap();
+    let newest = newest.iter().filter(|k| k.conversation_id == c).max_by_key(|k| k.id).unwrap();
+    let attachments = chat.store().checkpoint_attachments(newest.id).await.unwrap();
+    assert_eq!(attachments.len(), 1, "{attachments:?}");
+    assert_eq!(attachments[0].schema, "quince-draft-kv/1");
+    let held: usize = attachments[0].metadata["token_count"].parse().unwrap();
+    assert!(held > 0 && held <= newest.tokens.len());
+    assert!(attachments[0].tensors.iter().any(|t| t.starts_with("attachment.quince-draft-kv/1.")));
+    chat.shutdown();
+    drop(chat);
+
+    // A new process: the draft model is loaded afresh and computes only the new turn.
+    let reopened = Chat::open(&f.data).await.unwrap().with_hf_cache(None);
+    reopened.load_model(&f.model, |_| {}).await.unwrap();
+    texts.0.push(reopened.send(plain, turns[2], &[], |_| {}).await.unwrap().content);
+    let third = reopened.send(c, turns[2], &[], |_| {}).await.unwrap();
+    let (computed, prompt, reused) = computed(&third);
+    assert!(reused > 0, "the target resumed");
+    assert!(computed < prompt - reused + 8, "{computed} of {prompt} computed after a restart");
+    texts.1.push(third.content);
+    assert_eq!(texts.1, texts.0, "the same replies as without speculation");
+    reopened.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_gemma4_assistant_drafts_in_a_chat_and_is_never_loaded_as_one() {
     use chat::view::Speculation;
     let golden = root().join("tests/golden/assistant");

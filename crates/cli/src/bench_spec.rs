@@ -55,8 +55,8 @@ impl DraftMethod for NeverRight {
     fn bind(&mut self, _: &dyn Model) -> engine::Result<()> {
         Ok(())
     }
-    fn start(&mut self, _: Target<'_>, _: &[u32]) -> engine::Result<()> {
-        Ok(())
+    fn start(&mut self, _: Target<'_>, _: &[u32]) -> engine::Result<usize> {
+        Ok(0)
     }
     fn propose(&mut self, t: Target<'_>, context: &[u32], max: usize) -> engine::Result<Vec<u32>> {
         let vocab = t.model.vocab_size() as u32;

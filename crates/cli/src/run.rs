@@ -208,6 +208,7 @@ pub fn spec_json(spec: &SpecStats) -> serde_json::Value {
         "accepted": spec.accepted,
         "acceptance_rate": spec.acceptance_rate(),
         "mean_accepted_length": spec.mean_accepted_length(),
+        "context_computed": spec.context_computed,
     })
 }
 

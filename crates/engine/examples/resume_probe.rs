@@ -30,7 +30,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for r in 0..repeats {
         let mut caches = model.new_caches()?;
         let t = Instant::now();
-        let tokens = kv_file::read(&checkpoint, &sha256, &identity, &mut caches)?;
+        let tokens = kv_file::read(&checkpoint, &sha256, &identity, &mut caches)?.tokens;
         let read = ms(t);
         let t = Instant::now();
         let buffers: Vec<mlx::Array> = caches.iter().flat_map(|c| c.buffers()).collect();

@@ -6,6 +6,10 @@
 //! `format`, `model_id`, `config_hash`, `token_count`, `tokens_sha256`, `layers`, and each
 //! cache's own entries as `layer.{i}.{key}` (its signature, offset, window, ...).
 //!
+//! A checkpoint may carry [`Attachment`]s: a generation method's own state at that point (a
+//! draft model's caches, say), stored in the same file under `attachment.{schema}.` and covered
+//! by the same digest. Their schemas are listed in the metadata's `attachments`.
+//!
 //! Writes are atomic (a temporary file, fsync, rename) and return the file's SHA-256, which the
 //! index keeps; [`read`] verifies that hash before parsing anything, then the model identity,
 //! then each cache's signature, and fails closed on any mismatch.
@@ -42,6 +46,90 @@ pub struct Written {
     pub sha256: String,
     /// The caches' signatures joined with `;` (the stack's geometry).
     pub signature: String,
+    /// What the index records of each attachment written.
+    pub attachments: Vec<AttachmentIndex>,
+}
+
+/// An attachment as the index records it: its schema, metadata and the names of its tensors
+/// in the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttachmentIndex {
+    /// [`Attachment::schema`].
+    pub schema: String,
+    /// [`Attachment::metadata`].
+    pub metadata: BTreeMap<String, String>,
+    /// The file's names of [`Attachment::tensors`].
+    pub tensors: Vec<String>,
+}
+
+/// A generation method's state kept with a checkpoint (the seed's `CheckpointAttachment`): a
+/// schema naming its layout, string metadata and named tensors.
+#[derive(Debug, Clone, Default)]
+pub struct Attachment {
+    /// What the entries mean, with a version, e.g. `quince-draft-kv/1`.
+    pub schema: String,
+    /// String entries.
+    pub metadata: BTreeMap<String, String>,
+    /// Named tensors.
+    pub tensors: BTreeMap<String, Array>,
+}
+
+/// What [`read`] found besides the caches it restored.
+#[derive(Debug, Clone, Default)]
+pub struct Contents {
+    /// The token ids the caches hold.
+    pub tokens: Vec<u32>,
+    /// The attachments written with them.
+    pub attachments: Vec<Attachment>,
+}
+
+/// Adds each cache's state under `{prefix}{i}.` to `tensors` and `metadata`.
+pub fn save_stack(
+    caches: &[Box<dyn AttentionCache>],
+    prefix: &str,
+    tensors: &mut BTreeMap<String, Array>,
+    metadata: &mut BTreeMap<String, String>,
+) -> Result<()> {
+    for (i, cache) in caches.iter().enumerate() {
+        let state = cache.state()?;
+        for (name, array) in state.tensors {
+            tensors.insert(format!("{prefix}{i}.{name}"), array);
+        }
+        for (key, value) in state.metadata {
+            metadata.insert(format!("{prefix}{i}.{key}"), value);
+        }
+    }
+    Ok(())
+}
+
+/// Restores each of `caches` from the entries [`save_stack`] wrote under `{prefix}{i}.`
+/// (`tensors` and `metadata`: maps by reference, of any kind).
+pub fn restore_stack<'a, T, M>(
+    caches: &mut [Box<dyn AttentionCache>],
+    prefix: &str,
+    tensors: T,
+    metadata: M,
+) -> Result<()>
+where
+    T: IntoIterator<Item = (&'a String, &'a Array)> + Copy,
+    M: IntoIterator<Item = (&'a String, &'a String)> + Copy,
+{
+    for (i, cache) in caches.iter_mut().enumerate() {
+        let prefix = format!("{prefix}{i}.");
+        let mut state = CacheState::default();
+        for (name, array) in tensors {
+            if let Some(rest) = name.strip_prefix(&prefix) {
+                state.tensors.insert(rest.to_string(), array.clone());
+            }
+        }
+        for (key, value) in metadata {
+            if let Some(rest) = key.strip_prefix(&prefix) {
+                state.metadata.insert(rest.to_string(), value.clone());
+            }
+        }
+        cache.restore(&state)?;
+    }
+    Ok(())
 }
 
 /// Hex SHA-256 of bytes.
@@ -158,12 +246,13 @@ pub fn stack_signature(caches: &[Box<dyn AttentionCache>]) -> String {
     caches.iter().map(|c| c.signature()).collect::<Vec<_>>().join(";")
 }
 
-/// Writes `caches` (holding exactly `tokens`) to `path` atomically.
+/// Writes `caches` (holding exactly `tokens`) and `attachments` to `path` atomically.
 pub fn write(
     path: &Path,
     caches: &[Box<dyn AttentionCache>],
     tokens: &[u32],
     identity: &Identity,
+    attachments: &[Attachment],
 ) -> Result<Written> {
     let offset = caches.first().map_or(0, |c| c.offset());
     if tokens.is_empty() || caches.iter().any(|c| c.offset() != offset) || offset != tokens.len() {
@@ -174,15 +263,22 @@ pub fn write(
     }
     let mut tensors = BTreeMap::new();
     let mut metadata = BTreeMap::new();
-    for (i, cache) in caches.iter().enumerate() {
-        let state = cache.state()?;
-        for (name, array) in state.tensors {
-            tensors.insert(format!("layer.{i}.{name}"), array);
+    save_stack(caches, "layer.", &mut tensors, &mut metadata)?;
+    let mut schemas = Vec::new();
+    for attachment in attachments {
+        let schema = &attachment.schema;
+        if schema.is_empty() || schema.contains(',') || schemas.contains(&schema.as_str()) {
+            return Err(Error::InvalidRequest(format!("attachment schema {schema:?}")));
         }
-        for (key, value) in state.metadata {
-            metadata.insert(format!("layer.{i}.{key}"), value);
+        schemas.push(schema);
+        for (name, array) in &attachment.tensors {
+            tensors.insert(format!("attachment.{schema}.{name}"), array.clone());
+        }
+        for (key, value) in &attachment.metadata {
+            metadata.insert(format!("attachment.{schema}.{key}"), value.clone());
         }
     }
+    metadata.insert("attachments".into(), schemas.join(","));
     tensors.insert("tokens".into(), Array::from_slice(tokens, &[tokens.len() as i32])?);
     metadata.insert("format".into(), FORMAT.into());
     metadata.insert("model_id".into(), identity.model_id.clone());
@@ -213,18 +309,36 @@ pub fn write(
     if let Ok(folder) = std::fs::File::open(dir) {
         let _ = folder.sync_all();
     }
-    Ok(Written { path: path.to_path_buf(), bytes, sha256, signature: stack_signature(caches) })
+    let attachments = attachments
+        .iter()
+        .map(|a| AttachmentIndex {
+            schema: a.schema.clone(),
+            metadata: a.metadata.clone(),
+            tensors: a
+                .tensors
+                .keys()
+                .map(|name| format!("attachment.{}.{name}", a.schema))
+                .collect(),
+        })
+        .collect();
+    Ok(Written {
+        path: path.to_path_buf(),
+        bytes,
+        sha256,
+        signature: stack_signature(caches),
+        attachments,
+    })
 }
 
 /// Reads the checkpoint at `path` into `caches` (fresh ones from `Model::new_caches`) and
-/// returns the tokens they now hold. Refused, leaving `caches` unusable, when the file's
+/// returns the tokens they now hold, with the file's attachments. Refused, leaving `caches` unusable, when the file's
 /// digest is not `sha256`, or it belongs to another model, config or cache geometry.
 pub fn read(
     path: &Path,
     sha256: &str,
     identity: &Identity,
     caches: &mut [Box<dyn AttentionCache>],
-) -> Result<Vec<u32>> {
+) -> Result<Contents> {
     let bad = |message: String| Error::CorruptWeights { path: path.to_path_buf(), message };
     let started = std::time::Instant::now();
     // A file shorter or longer than its header says is not given to MLX at all.
@@ -277,20 +391,8 @@ pub fn read(
     {
         return Err(bad("the token ids do not match their recorded hash".into()));
     }
-    for (i, cache) in caches.iter_mut().enumerate() {
-        let prefix = format!("layer.{i}.");
-        let mut state = CacheState::default();
-        for (name, array) in &file.tensors {
-            if let Some(rest) = name.strip_prefix(&prefix) {
-                state.tensors.insert(rest.to_string(), array.clone());
-            }
-        }
-        for (key, value) in &file.metadata {
-            if let Some(rest) = key.strip_prefix(&prefix) {
-                state.metadata.insert(rest.to_string(), value.clone());
-            }
-        }
-        cache.restore(&state)?;
+    restore_stack(caches, "layer.", &file.tensors, &file.metadata)?;
+    for (i, cache) in caches.iter().enumerate() {
         if cache.offset() != tokens.len() {
             return Err(bad(format!(
                 "cache {i} holds {} positions, the file {} tokens",
@@ -304,5 +406,28 @@ pub fn read(
         restore_ms = started.elapsed().as_secs_f64() * 1e3 - load_ms,
         "read a KV checkpoint"
     );
-    Ok(tokens)
+    // Files written before attachments existed have no `attachments` entry: none.
+    let schemas = file.metadata.get("attachments").cloned().unwrap_or_default();
+    let attachments = schemas
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|schema| {
+            let prefix = format!("attachment.{schema}.");
+            let pick = |name: &String| name.strip_prefix(&prefix).map(str::to_string);
+            Attachment {
+                schema: schema.to_string(),
+                metadata: file
+                    .metadata
+                    .iter()
+                    .filter_map(|(k, v)| Some((pick(k)?, v.clone())))
+                    .collect(),
+                tensors: file
+                    .tensors
+                    .iter()
+                    .filter_map(|(k, v)| Some((pick(k)?, v.clone())))
+                    .collect(),
+            }
+        })
+        .collect();
+    Ok(Contents { tokens, attachments })
 }

@@ -28,6 +28,7 @@ use crate::generate::{
     Decoded, Emitter, Flow, GenerateRequest, Generation, StopReason, decode_loop, decode_step,
     start,
 };
+use crate::kv_file::Attachment;
 use crate::models::{Model, Phase};
 use crate::sampling::Sampler;
 
@@ -110,8 +111,10 @@ pub trait DraftMethod: std::fmt::Debug {
     /// draft-side allocation.
     fn bind(&mut self, target: &dyn Model) -> Result<()>;
     /// A new generation: `context` is every token the target's caches hold after the prompt's
-    /// prefill (the whole conversation so far).
-    fn start(&mut self, target: Target<'_>, context: &[u32]) -> Result<()>;
+    /// prefill (the whole conversation so far). Returns how many of those tokens the method
+    /// computed (a draft model's prefill of what its caches lacked; 0 for a method that keeps
+    /// no state of the conversation).
+    fn start(&mut self, target: Target<'_>, context: &[u32]) -> Result<usize>;
     /// Up to `max` tokens to follow `context` (the conversation so far), whose last token (the
     /// bonus) the target has not appended yet. Fewer, or none, when the method has nothing
     /// worth verifying.
@@ -120,6 +123,18 @@ pub trait DraftMethod: std::fmt::Debug {
     /// plain decode step: the target kept the first `accepted` drafts, and its last forward
     /// pass's row `accepted` produced the next bonus.
     fn settle(&mut self, target: Target<'_>, accepted: usize) -> Result<()>;
+    /// After a generation: the method's state to keep with the target's checkpoint at
+    /// `tokens` (the conversation as the next turn's prompt starts: what this generation saw,
+    /// its reply possibly re-rendered). `None` when it keeps nothing worth saving.
+    fn checkpoint(&mut self, _tokens: &[u32]) -> Result<Option<Attachment>> {
+        Ok(None)
+    }
+    /// Before a generation that resumes from a checkpoint holding `tokens`: that
+    /// checkpoint's attachments. A method takes state it wrote and can use, so that
+    /// [`DraftMethod::start`] computes only what it lacks, and ignores the rest.
+    fn resume(&mut self, _attachments: &[Attachment], _tokens: &[u32]) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// How many tokens a round drafts.
@@ -149,6 +164,9 @@ pub struct SpecStats {
     pub proposed: usize,
     /// Draft tokens accepted.
     pub accepted: usize,
+    /// Conversation tokens the method computed before its first round (a draft model's
+    /// prefill of what its caches did not hold).
+    pub context_computed: usize,
 }
 
 impl SpecStats {
@@ -205,7 +223,7 @@ pub fn generate(
     }
     // The whole conversation, as the method sees it.
     let mut context: Vec<u32> = earlier.iter().chain(&request.prompt).copied().collect();
-    method.start(Target { model, caches }, &context)?;
+    stats.context_computed = method.start(Target { model, caches }, &context)?;
     let mut bonus = sampler.sample(&logits, &out.history)?.item::<u32>()?;
     context.push(bonus);
     if let Some(reason) = out.emit(bonus) {

@@ -37,7 +37,9 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Row, SqlitePool};
 
 pub use error::{Error, Result};
-pub use model::{Attachment, Checkpoint, Conversation, Message, MessageState, Role};
+pub use model::{
+    Attachment, Checkpoint, CheckpointAttachment, Conversation, Message, MessageState, Role,
+};
 
 /// Milliseconds since the Unix epoch; injectable so tests control time.
 pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
@@ -609,6 +611,35 @@ impl Store {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+
+    /// Indexes a method's state written into a checkpoint's file (`id` is ignored).
+    pub async fn add_checkpoint_attachment(&self, a: &CheckpointAttachment) -> Result<i64> {
+        let json = |e: serde_json::Error| Error::Unexpected(format!("checkpoint attachment: {e}"));
+        let done = sqlx::query(
+            "INSERT INTO checkpoint_attachments (checkpoint_id, schema, metadata, tensors) \
+             VALUES (?, ?, ?, ?)",
+        )
+        .bind(a.checkpoint_id)
+        .bind(&a.schema)
+        .bind(serde_json::to_string(&a.metadata).map_err(json)?)
+        .bind(serde_json::to_string(&a.tensors).map_err(json)?)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.last_insert_rowid())
+    }
+
+    /// The attachments of a checkpoint, in the order they were added.
+    pub async fn checkpoint_attachments(
+        &self,
+        checkpoint: i64,
+    ) -> Result<Vec<CheckpointAttachment>> {
+        let rows =
+            sqlx::query("SELECT * FROM checkpoint_attachments WHERE checkpoint_id = ? ORDER BY id")
+                .bind(checkpoint)
+                .fetch_all(&self.pool)
+                .await?;
+        rows.iter().map(CheckpointAttachment::from_row).collect()
     }
 
     /// Removes a checkpoint's row (the caller deletes its file).

@@ -227,3 +227,33 @@ impl Checkpoint {
         })
     }
 }
+
+/// A generation method's state attached to a checkpoint: its index row (the tensors live in
+/// the checkpoint's file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointAttachment {
+    /// Row id.
+    pub id: i64,
+    /// Its checkpoint.
+    pub checkpoint_id: i64,
+    /// Its layout, e.g. `quince-draft-kv/1`.
+    pub schema: String,
+    /// Its string entries.
+    pub metadata: std::collections::BTreeMap<String, String>,
+    /// The names of its tensors in the file.
+    pub tensors: Vec<String>,
+}
+
+impl CheckpointAttachment {
+    pub(crate) fn from_row(row: &SqliteRow) -> Result<CheckpointAttachment> {
+        let json = |column: &str| -> Result<String> { Ok(row.try_get(column)?) };
+        let bad = |e: serde_json::Error| Error::Unexpected(format!("checkpoint attachment: {e}"));
+        Ok(CheckpointAttachment {
+            id: row.try_get("id")?,
+            checkpoint_id: row.try_get("checkpoint_id")?,
+            schema: row.try_get("schema")?,
+            metadata: serde_json::from_str(&json("metadata")?).map_err(bad)?,
+            tensors: serde_json::from_str(&json("tensors")?).map_err(bad)?,
+        })
+    }
+}

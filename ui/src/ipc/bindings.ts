@@ -67,7 +67,12 @@ acceptance_rate: number,
 /**
  * Drafts accepted per round.
  */
-mean_accepted_length: number, };
+mean_accepted_length: number, 
+/**
+ * Conversation tokens the method computed before drafting: a draft model's prefill of
+ * what its caches lacked (kept from the last reply, or restored with the checkpoint).
+ */
+context_computed: number, };
 
 export type Speculation = { "method": "off" } | { "method": "lookup" } | { "method": "draft", 
 /**

@@ -45,7 +45,7 @@ describe("statsLine", () => {
         ttft_ms: 20,
         decode_tok_s: 143.2,
         peak_mem_bytes: 0,
-        spec: { method: "draft", rounds: 41, proposed: 131, accepted: 86, acceptance_rate: 86 / 131, mean_accepted_length: 86 / 41 },
+        spec: { method: "draft", rounds: 41, proposed: 131, accepted: 86, acceptance_rate: 86 / 131, mean_accepted_length: 86 / 41, context_computed: 12 },
       }),
     ).toBe("TTFT 20 ms · 143.2 tok/s · 40 prompt + 128 generated tokens · draft: 66% accepted (86/131), 2.1 per round");
   });

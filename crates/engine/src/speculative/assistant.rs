@@ -261,10 +261,14 @@ impl DraftMethod for Gemma4Assistant {
         Ok(())
     }
 
-    fn start(&mut self, target: Target<'_>, _context: &[u32]) -> Result<()> {
-        // The prefill's last row: the position that produced the first bonus token.
+    fn start(&mut self, target: Target<'_>, _context: &[u32]) -> Result<usize> {
+        // The prefill's last row: the position that produced the first bonus token. Its seed
+        // (that hidden state, the bonus, the position) comes from the target's prefill, which
+        // every generation runs, a resumed one included (at least one new token), so there
+        // is nothing to keep with a checkpoint.
         self.hidden = None;
-        self.settle_at(target, None)
+        self.settle_at(target, None)?;
+        Ok(0)
     }
 
     fn propose(&mut self, target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>> {

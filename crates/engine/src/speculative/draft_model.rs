@@ -8,30 +8,107 @@ use mlx::Array;
 use super::{DraftMethod, Target};
 use crate::cache::AttentionCache;
 use crate::error::{Error, Result};
+use crate::kv_file::Attachment;
 use crate::models::{Model, Phase, Rows};
 
-/// A draft model and its caches.
+/// The [`Attachment`] schema of a draft model's caches kept with a target checkpoint.
+pub const SCHEMA: &str = "quince-draft-kv/1";
+
+/// A draft model and its caches, kept between generations: a new generation computes only
+/// the conversation tokens the caches do not already hold (from the last generation, or from
+/// the attachment of the checkpoint it resumes from).
 #[derive(Debug)]
 pub struct DraftModel {
     model: Box<dyn Model>,
+    /// What its attachments are keyed by (SHA-256 of its `config.json`); empty: never saved.
+    identity: String,
     caches: Vec<Box<dyn AttentionCache>>,
-    /// Conversation tokens the caches hold (committed).
-    synced: usize,
-    /// The open round: tokens appended before the drafts, and drafts proposed.
-    round: Option<(usize, usize)>,
+    /// The conversation tokens the caches hold (committed).
+    held: Vec<u32>,
+    /// The open round: the tokens appended before the drafts, and the drafts proposed.
+    round: Option<(Vec<u32>, Vec<u32>)>,
     /// Positions per prefill chunk.
     pub prefill_step: usize,
 }
 
 impl DraftModel {
-    /// Wraps a loaded model.
+    /// Wraps a loaded model (its state is never kept with checkpoints: it has no identity).
     pub fn new(model: Box<dyn Model>) -> DraftModel {
-        DraftModel { model, caches: Vec::new(), synced: 0, round: None, prefill_step: 512 }
+        DraftModel {
+            model,
+            identity: String::new(),
+            caches: Vec::new(),
+            held: Vec::new(),
+            round: None,
+            prefill_step: 512,
+        }
     }
 
     /// Loads the model in `path`.
     pub fn load(path: impl AsRef<Path>) -> Result<DraftModel> {
-        Ok(DraftModel::new(crate::models::load(path)?))
+        let path = path.as_ref();
+        let mut draft = DraftModel::new(crate::models::load(path)?);
+        let config = path.join("config.json");
+        let bytes = std::fs::read(&config).map_err(|source| Error::Io { path: config, source })?;
+        draft.identity = crate::kv_file::sha256_hex(&bytes);
+        Ok(draft)
+    }
+
+    /// Conversation tokens the caches hold.
+    pub fn held(&self) -> &[u32] {
+        &self.held
+    }
+
+    /// Fresh, empty caches.
+    fn reset(&mut self) -> Result<()> {
+        self.caches = self.model.new_caches()?;
+        self.held.clear();
+        self.round = None;
+        Ok(())
+    }
+
+    /// Ends a round the generation left open (it stopped before settling): the caches keep
+    /// the pending tokens and the drafts that `conversation` went on with. Where that fails,
+    /// the caches start over.
+    fn close_round(&mut self, conversation: &[u32]) -> Result<()> {
+        if let Some((pending, drafted)) = self.round.take() {
+            // The caches hold every draft but the last.
+            let appended = &drafted[..drafted.len().saturating_sub(1)];
+            let after = conversation.get(self.held.len() + pending.len()..).unwrap_or_default();
+            let kept =
+                if conversation[self.held.len().min(conversation.len())..].starts_with(&pending) {
+                    common_prefix(appended, after)
+                } else {
+                    0
+                };
+            let closed = self
+                .caches
+                .iter_mut()
+                .try_for_each(|c| c.spec_round_rollback(pending.len() + kept));
+            match closed {
+                Ok(()) => {
+                    self.held.extend_from_slice(&pending);
+                    self.held.extend_from_slice(&appended[..kept]);
+                }
+                Err(_) => self.reset()?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops held positions after the first `keep`; false when the storages cannot.
+    fn cut_to(&mut self, keep: usize) -> Result<bool> {
+        let drop = self.held.len() - keep;
+        if drop > 0 {
+            if !self.caches.iter().all(|c| c.is_trimmable()) {
+                return Ok(false);
+            }
+            for cache in &mut self.caches {
+                cache.trim(drop)?;
+            }
+            self.held.truncate(keep);
+        }
+        Ok(true)
     }
 
     /// Checks that two model folders share a tokenizer: the same `tokenizer.json` when both
@@ -70,7 +147,7 @@ impl DraftMethod for DraftModel {
         Ok(())
     }
 
-    fn start(&mut self, _target: Target<'_>, context: &[u32]) -> Result<()> {
+    fn start(&mut self, _target: Target<'_>, context: &[u32]) -> Result<usize> {
         if context.len() >= self.model.max_context() {
             return Err(Error::InvalidRequest(format!(
                 "the conversation ({} tokens) is longer than the draft model's context of {}",
@@ -78,32 +155,43 @@ impl DraftMethod for DraftModel {
                 self.model.max_context()
             )));
         }
-        self.caches = self.model.new_caches()?;
-        self.round = None;
-        for chunk in context.chunks(self.prefill_step.max(1)) {
+        // Keep what the caches share with this conversation.
+        self.close_round(context)?;
+        let shared = common_prefix(&self.held, context);
+        if self.caches.is_empty() || !self.cut_to(shared)? {
+            self.reset()?;
+        }
+        let fresh = &context[self.held.len()..];
+        for chunk in fresh.chunks(self.prefill_step.max(1)) {
             self.model.forward_rows(&ids(chunk)?, &mut self.caches, Phase::Window, Rows::Last)?;
             let buffers: Vec<Array> = self.caches.iter().flat_map(|c| c.buffers()).collect();
             mlx::eval(&buffers.iter().collect::<Vec<_>>())?;
         }
-        self.synced = context.len();
-        Ok(())
+        let computed = fresh.len();
+        self.held = context.to_vec();
+        Ok(computed)
     }
 
     fn propose(&mut self, _target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>> {
         if self.round.is_some() {
             return Err(Error::InvalidRequest("draft model: propose before settling".into()));
         }
-        let pending = context.get(self.synced..).unwrap_or_default();
+        if !context.starts_with(&self.held) {
+            return Err(Error::InvalidRequest(
+                "draft model: the context does not extend what it holds".into(),
+            ));
+        }
+        let pending = &context[self.held.len()..];
         if pending.is_empty() || max == 0 {
             return Ok(Vec::new());
         }
-        if self.synced + pending.len() + max >= self.model.max_context() {
+        if self.held.len() + pending.len() + max >= self.model.max_context() {
             return Ok(Vec::new());
         }
         for cache in self.caches.iter_mut() {
             cache.spec_round_begin()?;
         }
-        self.round = Some((pending.len(), 0));
+        self.round = Some((pending.to_vec(), Vec::new()));
         // The committed tokens the caches lack (the bonus, and the last draft after a round
         // that accepted them all), then greedy steps, built lazily and evaluated once.
         let phase = if pending.len() == 1 { Phase::Decode } else { Phase::Window };
@@ -120,7 +208,7 @@ impl DraftMethod for DraftModel {
         }
         let all = mlx::ops::concatenate(&drafts.iter().collect::<Vec<_>>(), 0)?;
         let tokens = all.to_vec::<u32>()?;
-        self.round = Some((pending.len(), tokens.len()));
+        self.round = Some((pending.to_vec(), tokens.clone()));
         Ok(tokens)
     }
 
@@ -129,11 +217,72 @@ impl DraftMethod for DraftModel {
             return Ok(());
         };
         // The caches hold the pending tokens and every draft but the last.
-        let keep = pending + accepted.min(drafted.saturating_sub(1));
+        let drafts_kept = accepted.min(drafted.len().saturating_sub(1));
         for cache in self.caches.iter_mut() {
-            cache.spec_round_rollback(keep)?;
+            cache.spec_round_rollback(pending.len() + drafts_kept)?;
         }
-        self.synced += keep;
+        self.held.extend_from_slice(&pending);
+        self.held.extend_from_slice(&drafted[..drafts_kept]);
         Ok(())
     }
+
+    fn checkpoint(&mut self, tokens: &[u32]) -> Result<Option<Attachment>> {
+        self.close_round(tokens)?;
+        if self.identity.is_empty() || self.caches.is_empty() {
+            return Ok(None);
+        }
+        // The caches may hold the reply as generated where the checkpoint holds it
+        // re-rendered: keep the shared prefix (the next generation computes the rest).
+        let shared = common_prefix(&self.held, tokens);
+        if shared == 0 || !self.cut_to(shared)? {
+            return Ok(None);
+        }
+        let mut attachment = Attachment { schema: SCHEMA.into(), ..Attachment::default() };
+        crate::kv_file::save_stack(
+            &self.caches,
+            "layer.",
+            &mut attachment.tensors,
+            &mut attachment.metadata,
+        )?;
+        attachment.metadata.insert("model".into(), self.identity.clone());
+        attachment.metadata.insert("token_count".into(), shared.to_string());
+        Ok(Some(attachment))
+    }
+
+    fn resume(&mut self, attachments: &[Attachment], tokens: &[u32]) -> Result<()> {
+        let Some(found) = attachments.iter().find(|a| a.schema == SCHEMA) else {
+            return Ok(());
+        };
+        let count = found.metadata.get("token_count").and_then(|n| n.parse::<usize>().ok());
+        let Some(count) = count.filter(|&n| n > 0 && n <= tokens.len()) else {
+            return Ok(());
+        };
+        if found.metadata.get("model") != Some(&self.identity)
+            || self.identity.is_empty()
+            || (self.round.is_none()
+                && common_prefix(&self.held, tokens) >= count
+                && !self.caches.is_empty())
+        {
+            // Another draft model's, or no better than what the caches hold already.
+            return Ok(());
+        }
+        let mut caches = self.model.new_caches()?;
+        let restored =
+            crate::kv_file::restore_stack(&mut caches, "layer.", &found.tensors, &found.metadata);
+        match restored {
+            Ok(()) if caches.iter().all(|c| c.offset() == count) => {
+                self.caches = caches;
+                self.held = tokens[..count].to_vec();
+                self.round = None;
+            }
+            // The next start computes the conversation instead.
+            Ok(()) => tracing::warn!("a draft attachment whose caches disagree on the offset"),
+            Err(e) => tracing::warn!("a draft attachment that does not restore: {e}"),
+        }
+        Ok(())
+    }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }

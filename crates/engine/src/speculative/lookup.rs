@@ -60,8 +60,8 @@ impl DraftMethod for PromptLookup {
         Ok(())
     }
 
-    fn start(&mut self, _target: Target<'_>, _context: &[u32]) -> Result<()> {
-        Ok(())
+    fn start(&mut self, _target: Target<'_>, _context: &[u32]) -> Result<usize> {
+        Ok(0)
     }
 
     fn propose(&mut self, _target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>> {

@@ -43,7 +43,7 @@ fn write(
 ) -> (kv_file::Written, Vec<u32>, Vec<Box<dyn AttentionCache>>) {
     let (caches, held) = first_turn(model);
     let written =
-        kv_file::write(&dir.join("turn1.safetensors"), &caches, &held, &identity()).unwrap();
+        kv_file::write(&dir.join("turn1.safetensors"), &caches, &held, &identity(), &[]).unwrap();
     (written, held, caches)
 }
 
@@ -59,7 +59,9 @@ fn a_restored_stack_is_bit_identical_and_continues_like_a_cold_run() {
     assert_eq!(leftovers.len(), 1, "no temporary file left: {leftovers:?}");
 
     let mut restored = model.new_caches().unwrap();
-    let tokens = kv_file::read(&written.path, &written.sha256, &identity(), &mut restored).unwrap();
+    let read = kv_file::read(&written.path, &written.sha256, &identity(), &mut restored).unwrap();
+    let tokens = read.tokens;
+    assert!(read.attachments.is_empty());
     assert_eq!(tokens, held);
     for (a, b) in saved.iter().zip(&restored) {
         let (a, b) = (a.state().unwrap(), b.state().unwrap());
@@ -114,7 +116,7 @@ fn damaged_or_foreign_checkpoints_are_refused() {
     // Caches are written only with exactly the tokens they hold.
     let (caches, held) = first_turn(model.as_ref());
     assert!(
-        kv_file::write(&dir.path().join("x.safetensors"), &caches, &held[1..], &identity())
+        kv_file::write(&dir.path().join("x.safetensors"), &caches, &held[1..], &identity(), &[])
             .is_err()
     );
 }

@@ -216,7 +216,7 @@ impl DraftMethod for NeedsHiddenLayerTaps {
     fn bind(&mut self, _: &dyn Model) -> engine::Result<()> {
         panic!("bound to a target that lacks its port");
     }
-    fn start(&mut self, _: Target<'_>, _: &[u32]) -> engine::Result<()> {
+    fn start(&mut self, _: Target<'_>, _: &[u32]) -> engine::Result<usize> {
         panic!("started on a target that lacks its port");
     }
     fn propose(&mut self, _: Target<'_>, _: &[u32], _: usize) -> engine::Result<Vec<u32>> {
@@ -277,7 +277,7 @@ impl DraftMethod for Recorded {
     fn bind(&mut self, target: &dyn Model) -> engine::Result<()> {
         self.inner.bind(target)
     }
-    fn start(&mut self, target: Target<'_>, context: &[u32]) -> engine::Result<()> {
+    fn start(&mut self, target: Target<'_>, context: &[u32]) -> engine::Result<usize> {
         self.inner.start(target, context)
     }
     fn propose(
@@ -410,8 +410,8 @@ impl DraftMethod for AlwaysWrong {
     fn bind(&mut self, _: &dyn Model) -> engine::Result<()> {
         Ok(())
     }
-    fn start(&mut self, _: Target<'_>, _: &[u32]) -> engine::Result<()> {
-        Ok(())
+    fn start(&mut self, _: Target<'_>, _: &[u32]) -> engine::Result<usize> {
+        Ok(0)
     }
     fn propose(&mut self, _: Target<'_>, _: &[u32], max: usize) -> engine::Result<Vec<u32>> {
         // Token 0 (padding) is never a pick of this model.
@@ -464,4 +464,91 @@ fn failing_drafts_back_off_to_plain_decoding_and_stop_where_it_stops() {
             assert!(held == base || held == base + 1, "stop at {stop_at}: {held}");
         }
     }
+}
+
+#[test]
+fn a_draft_model_computes_only_what_its_caches_lack_across_turns_and_restarts() {
+    use engine::kv_file::{self, Identity};
+    let model = load("dense");
+    let draft_dir = golden("gemma4/dense_q8");
+    let length = DraftLength::default();
+    let run = |draft: &mut DraftModel, caches: &mut Vec<_>, earlier: &[u32], prompt: Vec<u32>| {
+        let request = GenerateRequest::new(prompt, 24);
+        speculative::generate(model.as_ref(), caches, earlier, &request, draft, length, |_| {
+            Flow::Continue
+        })
+        .unwrap()
+    };
+    // Turn 1: the draft model computes the whole prompt.
+    let mut draft = DraftModel::load(&draft_dir).unwrap();
+    let mut caches = model.new_caches().unwrap();
+    let first = run(&mut draft, &mut caches, &[], text_prompt());
+    assert_eq!(first.spec.as_ref().unwrap().context_computed, text_prompt().len());
+    // Turn 2 continues the conversation on the same caches: the draft model computes only
+    // what it has not seen (the new tokens, and the last round's tokens it never appended).
+    let mut earlier = text_prompt();
+    earlier.extend_from_slice(&first.tokens[..first.tokens.len() - 1]);
+    let mut second_prompt = vec![*first.tokens.last().unwrap()];
+    second_prompt.extend([88u32, 19, 230, 45, 301, 9]);
+    let second = run(&mut draft, &mut caches, &earlier, second_prompt.clone());
+    let computed = second.spec.as_ref().unwrap().context_computed;
+    assert!(
+        computed >= second_prompt.len() && computed <= second_prompt.len() + length.max + 1,
+        "turn 2 computed {computed} of {} tokens",
+        earlier.len() + second_prompt.len()
+    );
+    let mut conversation = earlier.clone();
+    conversation.extend_from_slice(&second_prompt);
+    let whole = plain(model.as_ref(), &GenerateRequest::new(conversation.clone(), 24));
+    assert_eq!(second.tokens, whole.tokens, "the continued turn is the plain reply");
+
+    // The draft's caches go into the target's checkpoint file and come back in a new process
+    // (a fresh DraftModel): turn 3 computes only what the attachment does not hold.
+    conversation.extend_from_slice(&second.tokens[..second.tokens.len() - 1]);
+    let attachment = draft.checkpoint(&conversation).unwrap().expect("a draft attachment");
+    assert_eq!(attachment.schema, engine::speculative::draft_model::SCHEMA);
+    let count: usize = attachment.metadata["token_count"].parse().unwrap();
+    assert!(count > conversation.len() - length.max - 2 && count <= conversation.len());
+    let identity = Identity { model_id: "dense".into(), config_hash: "test".into() };
+    let dir = tempfile::tempdir().unwrap();
+    let written = kv_file::write(
+        &dir.path().join("turn2.safetensors"),
+        &caches,
+        &conversation,
+        &identity,
+        std::slice::from_ref(&attachment),
+    )
+    .unwrap();
+    assert_eq!(written.attachments.len(), 1);
+    assert!(written.attachments[0].tensors.iter().all(|n| n.starts_with("attachment.")));
+    let mut restored = model.new_caches().unwrap();
+    let contents = kv_file::read(&written.path, &written.sha256, &identity, &mut restored).unwrap();
+    assert_eq!(contents.tokens, conversation);
+    let [read_back] = &contents.attachments[..] else { panic!("{:?}", contents.attachments) };
+    assert_eq!(read_back.metadata, attachment.metadata);
+    for (name, array) in &attachment.tensors {
+        let same =
+            read_back.tensors[name].array_equal(array, false).unwrap().item::<bool>().unwrap();
+        assert!(same, "attachment tensor {name} changed on disk");
+    }
+    let third_prompt = vec![*second.tokens.last().unwrap(), 412, 5, 17, 230];
+    let mut whole_third = conversation.clone();
+    whole_third.extend_from_slice(&third_prompt);
+    let want = plain(model.as_ref(), &GenerateRequest::new(whole_third.clone(), 24));
+    let mut fresh = DraftModel::load(&draft_dir).unwrap();
+    fresh.resume(&contents.attachments, &contents.tokens).unwrap();
+    assert_eq!(fresh.held().len(), count);
+    let third = run(&mut fresh, &mut restored, &conversation, third_prompt.clone());
+    assert_eq!(third.tokens, want.tokens, "the resumed turn is the plain reply");
+    assert_eq!(third.spec.as_ref().unwrap().context_computed, whole_third.len() - count);
+
+    // Another draft model's attachment is ignored: it computes everything.
+    let mut other = DraftModel::load(golden("gemma4/k_eq_v")).unwrap();
+    other.resume(&contents.attachments, &contents.tokens).unwrap();
+    assert!(other.held().is_empty());
+    let mut restored = model.new_caches().unwrap();
+    kv_file::read(&written.path, &written.sha256, &identity, &mut restored).unwrap();
+    let again = run(&mut other, &mut restored, &conversation, third_prompt);
+    assert_eq!(again.tokens, want.tokens);
+    assert_eq!(again.spec.unwrap().context_computed, whole_third.len());
 }
