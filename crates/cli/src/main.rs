@@ -10,6 +10,7 @@ mod bench_ops;
 mod bench_spec;
 mod converse;
 mod doctor;
+mod pull;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -41,6 +42,8 @@ enum Command {
     /// Speculative decoding's costs and gains: verify windows vs a decode step, 0% acceptance,
     /// the model drafting for itself.
     BenchSpec(bench_spec::Args),
+    /// Download a model from Hugging Face into the shared cache (resumes what is on disk).
+    Pull(pull::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -58,5 +61,6 @@ fn main() -> anyhow::Result<()> {
         Command::DemoModel(args) => run::demo_model(&args),
         Command::BenchOps(args) => bench_ops::run(&args),
         Command::BenchSpec(args) => bench_spec::run(&args),
+        Command::Pull(args) => pull::run(&args),
     }
 }

@@ -495,3 +495,82 @@ fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
     }
     files
 }
+
+/// `quince pull` against the fake hub (an axum server on 127.0.0.1 standing in for
+/// huggingface.co, which the tests cannot reach): killed mid-file, run again, it fetches only
+/// what is not on disk, prints the snapshot last, and the model it pulled generates the golden
+/// tokens.
+#[test]
+fn pull_killed_mid_file_resumes_and_the_pulled_model_runs() {
+    use std::sync::atomic::Ordering;
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let hub = runtime.block_on(hub::fake::FakeHub::start(0)).unwrap();
+    let repo = hub::fake::FakeRepo::from_dir(&dense()).unwrap();
+    let total: u64 = repo.files.values().map(|f| f.len() as u64).sum();
+    hub.shared.add("quince-test/dense", repo);
+    // A slow link: 64 KiB every 25 ms.
+    hub.shared.chunk_delay_ms.store(25, Ordering::SeqCst);
+    let cache = tempfile::tempdir().unwrap();
+    let pull = || {
+        let mut cmd = quince();
+        cmd.args(["pull", "quince-test/dense", "--endpoint", &hub.url, "--cache-dir"])
+            .arg(cache.path());
+        cmd
+    };
+    let blobs = cache.path().join("models--quince-test--dense/blobs");
+    let partial_bytes = || -> u64 {
+        std::fs::read_dir(&blobs)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".incomplete"))
+                    .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+                    .sum()
+            })
+            .unwrap_or(0)
+    };
+    let mut child = pull().stdout(std::process::Stdio::null()).spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while partial_bytes() < 300_000 {
+        assert!(std::time::Instant::now() < deadline, "the transfer never got going");
+        assert!(child.try_wait().unwrap().is_none(), "pull ended before it was killed");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL: no chance to clean up
+    child.wait().unwrap();
+    let on_disk: u64 =
+        std::fs::read_dir(&blobs).unwrap().flatten().map(|e| e.metadata().unwrap().len()).sum();
+    assert!(on_disk < total);
+    let served_before = hub.served();
+    hub.shared.chunk_delay_ms.store(0, Ordering::SeqCst);
+    let out = pull().output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(hub.served() - served_before, total - on_disk, "nothing on disk was fetched again");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let snapshot = PathBuf::from(stdout.lines().last().unwrap());
+    assert!(snapshot.starts_with(cache.path().join("models--quince-test--dense/snapshots")));
+
+    let (prompt, greedy) = golden();
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(&snapshot)
+        .args(["--tokens", &prompt, "--max-tokens", "8", "--ignore-eos", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value =
+        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
+            .unwrap();
+    let ids: Vec<u32> =
+        json["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    assert_eq!(ids, greedy[..8].to_vec());
+
+    // A repo that does not exist: a clear message and a failing status.
+    let out = quince()
+        .args(["pull", "quince-test/nothing", "--endpoint", &hub.url, "--cache-dir"])
+        .arg(cache.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("quince-test/nothing") && stderr.contains("404"), "{stderr}");
+}

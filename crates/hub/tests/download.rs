@@ -1,6 +1,7 @@
 //! Downloads against the fake hub (`hub::fake`, an axum server on 127.0.0.1: nothing outside
 //! this machine is reachable from the tests): complete, cut and resumed, damaged and fetched
 //! again, gated, missing, too big for the disk, paused.
+#![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
 use std::collections::BTreeMap;
 use std::path::Path;
