@@ -16,6 +16,15 @@ pub enum Error {
     /// MLX failed.
     #[error(transparent)]
     Mlx(#[from] mlx::Error),
+    /// A download or search failed.
+    #[error(transparent)]
+    Hub(#[from] hub::Error),
+    /// Networking is turned off.
+    #[error(
+        "Networking is off (Settings → Network): Quince makes no connection. Turn it on to \
+         search or download models."
+    )]
+    Offline,
     /// The engine thread is gone or could not start.
     #[error("{0}")]
     Engine(String),
@@ -62,6 +71,18 @@ impl Error {
             Error::Busy(_) => ErrorKind::Busy,
             Error::Cancelled => ErrorKind::Cancelled,
             Error::Reported { kind, .. } => *kind,
+            Error::Offline => ErrorKind::Offline,
+            Error::Hub(e) => match e {
+                hub::Error::Unauthorized { .. } => ErrorKind::Unauthorized,
+                hub::Error::NotFound { .. } => ErrorKind::NotFound,
+                hub::Error::NoSpace { .. } => ErrorKind::DiskFull,
+                hub::Error::Cancelled => ErrorKind::Cancelled,
+                hub::Error::Io { .. } => ErrorKind::Internal,
+                hub::Error::Network { .. }
+                | hub::Error::Http { .. }
+                | hub::Error::Corrupt { .. }
+                | hub::Error::Protocol(_) => ErrorKind::Network,
+            },
         }
     }
 

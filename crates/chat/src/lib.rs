@@ -14,6 +14,7 @@
 #![deny(missing_docs)]
 
 mod actor;
+pub mod downloads;
 mod error;
 pub mod library;
 pub mod view;
@@ -70,6 +71,8 @@ pub struct Chat {
     checkpoint_budget: u64,
     /// Whether replies resume from and write KV checkpoints.
     checkpoints: bool,
+    /// Model downloads in this process.
+    downloads: Arc<downloads::Registry>,
 }
 
 /// A reply in flight.
@@ -100,6 +103,8 @@ impl Chat {
             .await?
             .and_then(|v| v.parse().ok())
             .unwrap_or(DEFAULT_CHECKPOINT_BUDGET);
+        // Downloads a quit or a crash interrupted are paused; their bytes wait on disk.
+        store.pause_interrupted_downloads().await?;
         Ok(Chat {
             store,
             engine: Engine::start()?,
@@ -112,6 +117,7 @@ impl Chat {
             identity: Arc::default(),
             checkpoint_budget,
             checkpoints: true,
+            downloads: Arc::default(),
         })
     }
 

@@ -341,8 +341,136 @@ pub enum ErrorKind {
     Invalid,
     /// The user cancelled it.
     Cancelled,
+    /// Networking is turned off in Settings.
+    Offline,
+    /// The network or the hub failed (a download resumes where it stopped).
+    Network,
+    /// The hub wants a token with access (a gated or private model).
+    Unauthorized,
+    /// Not enough disk space.
+    DiskFull,
     /// Anything else (a bug, a disk error).
     Internal,
+}
+
+/// Whether a model fits this machine's memory: its weights plus the KV cache of a full
+/// default context, against the memory the accelerator can use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum FitVerdict {
+    /// Under 70 % of memory.
+    Fits,
+    /// 70–90 %: it runs, with little room for anything else.
+    Tight,
+    /// Over 90 %.
+    TooBig,
+    /// Its size is not known yet.
+    Unknown,
+}
+
+/// A memory-fit estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct Fit {
+    /// The verdict.
+    pub verdict: FitVerdict,
+    /// Weights plus KV cache at `context_tokens`.
+    #[ts(type = "number")]
+    pub needed_bytes: u64,
+    /// This machine's memory.
+    #[ts(type = "number")]
+    pub memory_bytes: u64,
+    /// The context the KV estimate is for.
+    pub context_tokens: u32,
+}
+
+/// Where a download stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum DownloadState {
+    /// Waiting for the one before it.
+    Queued,
+    /// Transferring.
+    Downloading,
+    /// Stopped by the user, a quit or a crash; resumes from the bytes on disk.
+    Paused,
+    /// Stopped by an error (see its message); resumes when started again.
+    Failed,
+    /// Complete and verified.
+    Done,
+}
+
+/// A model download.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
+pub struct DownloadView {
+    /// `org/name`.
+    pub repo: String,
+    /// Branch, tag or commit.
+    pub revision: String,
+    /// Its state.
+    pub state: DownloadState,
+    /// Bytes on disk.
+    #[ts(type = "number")]
+    pub done_bytes: u64,
+    /// Bytes of all files (0 until known).
+    #[ts(type = "number")]
+    pub total_bytes: u64,
+    /// The file being transferred.
+    pub file: String,
+    /// Files complete.
+    pub files_done: u32,
+    /// Files in all.
+    pub files: u32,
+    /// Bytes per second.
+    pub rate: f64,
+    /// Seconds left.
+    pub eta_s: Option<f64>,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// The kind of that failure (`unauthorized`: ask for a token).
+    pub error_kind: Option<ErrorKind>,
+    /// The snapshot folder once done.
+    pub path: Option<String>,
+}
+
+/// A model to download: recommended, or found by search.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
+pub struct CatalogEntry {
+    /// `org/name`.
+    pub repo: String,
+    /// Display name.
+    pub name: String,
+    /// One line about it.
+    pub description: String,
+    /// In the recommended list.
+    pub recommended: bool,
+    /// A Gemma 4 assistant drafter (for speculative decoding).
+    pub drafter: bool,
+    /// Takes images.
+    pub vision: bool,
+    /// Bytes of its weights: exact once its files were listed, else the catalog's estimate.
+    #[ts(type = "number | null")]
+    pub weight_bytes: Option<u64>,
+    /// Whether it fits this machine.
+    pub fit: Fit,
+    /// Its snapshot folder when it is in the Hugging Face cache already.
+    pub local_path: Option<String>,
+    /// Its download, when one was started.
+    pub download: Option<DownloadView>,
+}
+
+/// Network settings: off means no connection at all, ever.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct NetworkSettings {
+    /// Search and downloads may use the network (only when the user starts one).
+    pub enabled: bool,
+    /// The hub (`HF_ENDPOINT` convention; default https://huggingface.co).
+    pub endpoint: String,
+    /// A Hugging Face token is stored.
+    pub has_token: bool,
+    /// Where tokens are kept: `keychain` or `file` (0600, in the app's data folder).
+    pub token_store: String,
+    /// The Hugging Face cache downloads go to.
+    pub cache_dir: Option<String>,
 }
 
 /// What every command rejects with.
@@ -390,6 +518,12 @@ pub fn typescript_bindings() -> String {
         ModelsState::decl(&config),
         LoadEvent::decl(&config),
         ErrorKind::decl(&config),
+        FitVerdict::decl(&config),
+        Fit::decl(&config),
+        DownloadState::decl(&config),
+        DownloadView::decl(&config),
+        CatalogEntry::decl(&config),
+        NetworkSettings::decl(&config),
         CommandError::decl(&config),
         AppInfo::decl(&config),
     ];

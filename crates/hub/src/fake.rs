@@ -66,6 +66,8 @@ pub struct Shared {
     repos: Mutex<BTreeMap<String, FakeRepo>>,
     /// Body bytes served so far.
     pub served: AtomicU64,
+    /// Requests answered so far.
+    pub requests: AtomicU64,
     /// Cut the next transfer longer than this many bytes after them (0: never), once.
     pub cut_after: AtomicU64,
     /// Files (by path) to serve with a flipped byte, once each.
@@ -124,6 +126,11 @@ impl FakeHub {
         Ok(FakeHub { url, shared })
     }
 
+    /// Requests answered so far.
+    pub fn requests(&self) -> u64 {
+        self.shared.requests.load(Ordering::SeqCst)
+    }
+
     /// Body bytes served so far.
     pub fn served(&self) -> u64 {
         self.shared.served.load(Ordering::SeqCst)
@@ -151,6 +158,7 @@ async fn info(
     UrlPath(rest): UrlPath<String>,
     headers: HeaderMap,
 ) -> Response {
+    shared.requests.fetch_add(1, Ordering::SeqCst);
     // org/name/revision/<rev>
     let parts: Vec<&str> = rest.splitn(4, '/').collect();
     let [org, name, "revision", revision] = parts[..] else {
@@ -193,6 +201,7 @@ async fn search(
     State(shared): State<Arc<Shared>>,
     Query(query): Query<BTreeMap<String, String>>,
 ) -> Response {
+    shared.requests.fetch_add(1, Ordering::SeqCst);
     let needle = query.get("search").cloned().unwrap_or_default().to_lowercase();
     let hits: Vec<serde_json::Value> = shared
         .repos()
@@ -213,6 +222,7 @@ async fn resolve(
     UrlPath((org, name, revision, path)): UrlPath<(String, String, String, String)>,
     headers: HeaderMap,
 ) -> Response {
+    shared.requests.fetch_add(1, Ordering::SeqCst);
     let repo = shared.repos().get(&format!("{org}/{name}")).cloned();
     let Some(repo) = repo else { return StatusCode::NOT_FOUND.into_response() };
     if !authorized(&shared, &repo, &headers) {

@@ -8,10 +8,14 @@
 //! models they downloaded show up here without a transfer. A partial file is
 //! `blobs/<id>.incomplete`, as `huggingface_hub` names it.
 //!
-//! The transfers are ours, on `reqwest`: the `hf-hub` crate's repo info carries no file sizes
-//! or LFS hashes (needed for the free-space check and the verification), and its downloads
-//! restart a file from its first byte after a restart. Nothing here touches the network unless
-//! called: the app calls it only when the user searches or downloads.
+//! Metadata and transfers are ours, on `reqwest`, rather than the `hf-hub` crate's: hf-hub 1.0
+//! writes a plain download's `.incomplete` file with create/truncate, so it does not resume
+//! across restarts, and it brings hf-xet and a second TLS stack (aws-lc); 0.4/0.5 resume only
+//! into their own `.sync.part` format, not the Python layout, and 0.5 broke `Range` through the
+//! CDN (hf-hub#141). The hub API's `?blobs=true` listing gives every file's size and LFS
+//! SHA-256 in one call (the free-space check and the verification need both). Nothing here
+//! touches the network unless called: the app calls it only when the user searches, asks for
+//! a model's details or downloads.
 //!
 //! With the `fake` feature, [`fake`] serves a folder as a repo on 127.0.0.1 for tests.
 
@@ -287,6 +291,25 @@ impl Client {
             return Err(Error::Protocol(format!("commit {:?}", info.sha)));
         }
         Ok(RepoInfo { repo: repo.to_string(), commit: info.sha, files })
+    }
+
+    /// A small JSON file of `repo` at `commit` (a `config.json`), read into memory.
+    pub async fn small_file(
+        &self,
+        repo: &str,
+        commit: &str,
+        path: &str,
+    ) -> Result<serde_json::Value> {
+        check_repo_id(repo)?;
+        check_repo_path(path)?;
+        let url = format!("{}/{repo}/resolve/{commit}/{path}", self.endpoint);
+        let response = self.get(&url).send().await.map_err(|e| self.network(e))?;
+        let status = response.status().as_u16();
+        if !response.status().is_success() {
+            return Err(self.status_error(repo, &format!("{path} in {repo}"), &url, status));
+        }
+        let bytes = response.bytes().await.map_err(|e| self.network(e))?;
+        serde_json::from_slice(&bytes).map_err(|e| Error::Protocol(format!("{path}: {e}")))
     }
 
     /// Models whose id contains `query`, most downloaded first.

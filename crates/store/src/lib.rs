@@ -38,7 +38,8 @@ use sqlx::{Row, SqlitePool};
 
 pub use error::{Error, Result};
 pub use model::{
-    Attachment, Checkpoint, CheckpointAttachment, Conversation, Message, MessageState, Role,
+    Attachment, Checkpoint, CheckpointAttachment, Conversation, Download, Message, MessageState,
+    Role,
 };
 
 /// Milliseconds since the Unix epoch; injectable so tests control time.
@@ -646,6 +647,54 @@ impl Store {
     pub async fn delete_checkpoint(&self, id: i64) -> Result<()> {
         sqlx::query("DELETE FROM kv_checkpoints WHERE id = ?").bind(id).execute(&self.pool).await?;
         Ok(())
+    }
+
+    // ---- model downloads ----
+
+    /// Records a download's state (`updated_at` is set here).
+    pub async fn put_download(&self, d: &Download) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO downloads (repo, revision, state, total_bytes, done_bytes, error, path, \
+             updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(repo) DO UPDATE SET \
+             revision = excluded.revision, state = excluded.state, \
+             total_bytes = excluded.total_bytes, done_bytes = excluded.done_bytes, \
+             error = excluded.error, path = excluded.path, updated_at = excluded.updated_at",
+        )
+        .bind(&d.repo)
+        .bind(&d.revision)
+        .bind(&d.state)
+        .bind(d.total_bytes)
+        .bind(d.done_bytes)
+        .bind(&d.error)
+        .bind(&d.path)
+        .bind(self.now())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Every download, most recent first.
+    pub async fn downloads(&self) -> Result<Vec<Download>> {
+        let rows = sqlx::query("SELECT * FROM downloads ORDER BY updated_at DESC, repo")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(Download::from_row).collect()
+    }
+
+    /// Forgets a download.
+    pub async fn delete_download(&self, repo: &str) -> Result<()> {
+        sqlx::query("DELETE FROM downloads WHERE repo = ?").bind(repo).execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// At startup: downloads a quit or a crash interrupted (queued or running) become paused.
+    pub async fn pause_interrupted_downloads(&self) -> Result<u64> {
+        let done = sqlx::query(
+            "UPDATE downloads SET state = 'paused' WHERE state IN ('queued', 'downloading')",
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     // ---- the model library and app settings ----

@@ -257,3 +257,39 @@ impl CheckpointAttachment {
         })
     }
 }
+
+/// A model download's row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Download {
+    /// `org/name`.
+    pub repo: String,
+    /// Branch, tag or commit.
+    pub revision: String,
+    /// `queued`, `downloading`, `paused`, `failed` or `done`.
+    pub state: String,
+    /// Bytes of all its files (0 until known).
+    pub total_bytes: i64,
+    /// Bytes on disk when last recorded.
+    pub done_bytes: i64,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// The snapshot folder once done.
+    pub path: Option<String>,
+    /// Unix ms of the last change.
+    pub updated_at: i64,
+}
+
+impl Download {
+    pub(crate) fn from_row(row: &SqliteRow) -> Result<Download> {
+        Ok(Download {
+            repo: row.try_get("repo")?,
+            revision: row.try_get("revision")?,
+            state: row.try_get("state")?,
+            total_bytes: row.try_get("total_bytes")?,
+            done_bytes: row.try_get("done_bytes")?,
+            error: row.try_get("error")?,
+            path: row.try_get("path")?,
+            updated_at: row.try_get("updated_at")?,
+        })
+    }
+}

@@ -363,7 +363,147 @@ total: number, } | { "kind": "done",
  */
 model: LoadedModel, };
 
-export type ErrorKind = "model_missing" | "model_load" | "prompt_too_long" | "bad_image" | "busy" | "not_found" | "invalid" | "cancelled" | "internal";
+export type ErrorKind = "model_missing" | "model_load" | "prompt_too_long" | "bad_image" | "busy" | "not_found" | "invalid" | "cancelled" | "offline" | "network" | "unauthorized" | "disk_full" | "internal";
+
+export type FitVerdict = "fits" | "tight" | "too_big" | "unknown";
+
+export type Fit = { 
+/**
+ * The verdict.
+ */
+verdict: FitVerdict, 
+/**
+ * Weights plus KV cache at `context_tokens`.
+ */
+needed_bytes: number, 
+/**
+ * This machine's memory.
+ */
+memory_bytes: number, 
+/**
+ * The context the KV estimate is for.
+ */
+context_tokens: number, };
+
+export type DownloadState = "queued" | "downloading" | "paused" | "failed" | "done";
+
+export type DownloadView = { 
+/**
+ * `org/name`.
+ */
+repo: string, 
+/**
+ * Branch, tag or commit.
+ */
+revision: string, 
+/**
+ * Its state.
+ */
+state: DownloadState, 
+/**
+ * Bytes on disk.
+ */
+done_bytes: number, 
+/**
+ * Bytes of all files (0 until known).
+ */
+total_bytes: number, 
+/**
+ * The file being transferred.
+ */
+file: string, 
+/**
+ * Files complete.
+ */
+files_done: number, 
+/**
+ * Files in all.
+ */
+files: number, 
+/**
+ * Bytes per second.
+ */
+rate: number, 
+/**
+ * Seconds left.
+ */
+eta_s: number | null, 
+/**
+ * Why it failed.
+ */
+error: string | null, 
+/**
+ * The kind of that failure (`unauthorized`: ask for a token).
+ */
+error_kind: ErrorKind | null, 
+/**
+ * The snapshot folder once done.
+ */
+path: string | null, };
+
+export type CatalogEntry = { 
+/**
+ * `org/name`.
+ */
+repo: string, 
+/**
+ * Display name.
+ */
+name: string, 
+/**
+ * One line about it.
+ */
+description: string, 
+/**
+ * In the recommended list.
+ */
+recommended: boolean, 
+/**
+ * A Gemma 4 assistant drafter (for speculative decoding).
+ */
+drafter: boolean, 
+/**
+ * Takes images.
+ */
+vision: boolean, 
+/**
+ * Bytes of its weights: exact once its files were listed, else the catalog's estimate.
+ */
+weight_bytes: number | null, 
+/**
+ * Whether it fits this machine.
+ */
+fit: Fit, 
+/**
+ * Its snapshot folder when it is in the Hugging Face cache already.
+ */
+local_path: string | null, 
+/**
+ * Its download, when one was started.
+ */
+download: DownloadView | null, };
+
+export type NetworkSettings = { 
+/**
+ * Search and downloads may use the network (only when the user starts one).
+ */
+enabled: boolean, 
+/**
+ * The hub (`HF_ENDPOINT` convention; default https://huggingface.co).
+ */
+endpoint: string, 
+/**
+ * A Hugging Face token is stored.
+ */
+has_token: boolean, 
+/**
+ * Where tokens are kept: `keychain` or `file` (0600, in the app's data folder).
+ */
+token_store: string, 
+/**
+ * The Hugging Face cache downloads go to.
+ */
+cache_dir: string | null, };
 
 export type CommandError = { 
 /**
