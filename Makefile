@@ -151,12 +151,14 @@ test-ui: ui
 # target/e2e-shots/.
 test-e2e: app-inputs tauri-driver
 	$(CARGO) build --locked -p quince-app
+	$(CARGO) build --locked -p hub --features fake --bin fake-hub
 	tests/e2e/run.sh target/debug/quince-app
 
 # The .deb itself: unpacked, its binary driven through the same E2E test with libmlx taken
 # from the package (LD_LIBRARY_PATH wins over the build's rpath to .venv).
 DEB_ROOT := target/deb-root
 test-bundle: bundle tauri-driver
+	$(CARGO) build --locked -p hub --features fake --bin fake-hub
 	rm -rf $(DEB_ROOT) && dpkg-deb -x $$(ls -t target/release/bundle/deb/*.deb | head -1) $(DEB_ROOT)
 	LD_LIBRARY_PATH=$(DEB_ROOT)/usr/lib/quince/mlx/lib E2E_SHOTS=target/e2e-shots-deb \
 	  tests/e2e/run.sh $(DEB_ROOT)/usr/bin/quince-app

@@ -22,6 +22,16 @@ const COMMANDS: &[&str] = &[
     "remove_model_folder",
     "load_model",
     "cancel_load",
+    "catalog",
+    "search_models",
+    "model_details",
+    "list_downloads",
+    "download_model",
+    "pause_download",
+    "cancel_download",
+    "network_settings",
+    "set_network",
+    "set_hf_token",
     "app_info",
 ];
 

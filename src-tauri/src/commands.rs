@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 
 use chat::view::{
-    AppInfo, CommandError, ConversationDetail, ConversationSummary, ErrorKind, LoadEvent,
-    LoadedModel, ModelEntry, ModelsState, PendingAttachment, Settings, StreamEvent, ThreadMessage,
+    AppInfo, CatalogEntry, CommandError, ConversationDetail, ConversationSummary, DownloadView,
+    ErrorKind, LoadEvent, LoadedModel, ModelEntry, ModelsState, NetworkSettings, PendingAttachment,
+    Settings, StreamEvent, ThreadMessage,
 };
 use tauri::State;
 use tauri::ipc::{Channel, InvokeBody, Request};
@@ -202,6 +203,84 @@ pub async fn load_model(
 #[tauri::command]
 pub fn cancel_load(state: State<'_, AppState>) -> bool {
     state.chat.cancel_load()
+}
+
+/// The recommended models with fit estimates (no network).
+#[tauri::command]
+pub async fn catalog(state: State<'_, AppState>) -> CommandResult<Vec<CatalogEntry>> {
+    state.chat.catalog().await.map_err(fail)
+}
+
+/// Searches the hub by repo id (network).
+#[tauri::command]
+pub async fn search_models(
+    state: State<'_, AppState>,
+    query: String,
+) -> CommandResult<Vec<CatalogEntry>> {
+    state.chat.search_models(&query).await.map_err(fail)
+}
+
+/// One model's exact size and fit (network).
+#[tauri::command]
+pub async fn model_details(
+    state: State<'_, AppState>,
+    repo: String,
+) -> CommandResult<CatalogEntry> {
+    state.chat.model_details(&repo).await.map_err(fail)
+}
+
+/// Every download, running ones with their live rate.
+#[tauri::command]
+pub async fn list_downloads(state: State<'_, AppState>) -> CommandResult<Vec<DownloadView>> {
+    state.chat.downloads().await.map_err(fail)
+}
+
+/// Downloads (or resumes) a model, streaming its progress; returns its library entry.
+#[tauri::command]
+pub async fn download_model(
+    state: State<'_, AppState>,
+    repo: String,
+    on_progress: Channel<DownloadView>,
+) -> CommandResult<ModelEntry> {
+    tracing::info!(repo, "downloading a model");
+    state.chat.download(&repo, forward(&on_progress)).await.map_err(fail)
+}
+
+/// Pauses a download (its bytes stay).
+#[tauri::command]
+pub fn pause_download(state: State<'_, AppState>, repo: String) -> bool {
+    state.chat.pause_download(&repo)
+}
+
+/// Cancels a download and deletes what it fetched.
+#[tauri::command]
+pub async fn cancel_download(state: State<'_, AppState>, repo: String) -> CommandResult<()> {
+    state.chat.cancel_download(&repo).await.map_err(fail)
+}
+
+/// The network settings.
+#[tauri::command]
+pub async fn network_settings(state: State<'_, AppState>) -> CommandResult<NetworkSettings> {
+    state.chat.network_settings().await.map_err(fail)
+}
+
+/// Turns networking on or off and sets the hub endpoint.
+#[tauri::command]
+pub async fn set_network(
+    state: State<'_, AppState>,
+    enabled: bool,
+    endpoint: String,
+) -> CommandResult<NetworkSettings> {
+    state.chat.set_network(enabled, &endpoint).await.map_err(fail)
+}
+
+/// Stores (or, empty, forgets) the Hugging Face token.
+#[tauri::command]
+pub async fn set_hf_token(
+    state: State<'_, AppState>,
+    token: Option<String>,
+) -> CommandResult<NetworkSettings> {
+    state.chat.set_hf_token(token.as_deref()).await.map_err(fail)
 }
 
 /// Versions and folders, for the settings screen.

@@ -59,6 +59,16 @@ pub fn builder<R: tauri::Runtime>(
             commands::remove_model_folder,
             commands::load_model,
             commands::cancel_load,
+            commands::catalog,
+            commands::search_models,
+            commands::model_details,
+            commands::list_downloads,
+            commands::download_model,
+            commands::pause_download,
+            commands::cancel_download,
+            commands::network_settings,
+            commands::set_network,
+            commands::set_hf_token,
             commands::app_info,
         ])
 }

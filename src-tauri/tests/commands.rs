@@ -222,3 +222,25 @@ fn the_error_paths_reject_with_a_kind_and_a_readable_message() {
     assert_eq!(edited["state"], "complete");
     assert_eq!(send("and more").unwrap()["state"], "complete");
 }
+
+#[test]
+fn the_library_commands_reach_the_catalog_and_respect_the_network_switch() {
+    let f = app();
+    let catalog = call(&f, "catalog", json!({})).unwrap();
+    let entries = catalog.as_array().unwrap();
+    assert!(entries.iter().any(|e| e["drafter"] == json!(true)));
+    assert!(entries.iter().all(|e| e["fit"]["context_tokens"] == json!(8192)));
+    assert_eq!(call(&f, "list_downloads", json!({})).unwrap(), json!([]));
+    // Off means off: search and downloads are refused without a connection attempt.
+    let off =
+        call(&f, "set_network", json!({ "enabled": false, "endpoint": "http://127.0.0.1:9" }))
+            .unwrap();
+    assert_eq!(off["enabled"], json!(false));
+    assert_eq!(kind(call(&f, "search_models", json!({ "query": "gemma" }))), "offline");
+    let download =
+        call(&f, "download_model", json!({ "repo": "a/b", "onProgress": "__CHANNEL__:7" }));
+    assert_eq!(kind(download), "offline");
+    let settings = call(&f, "network_settings", json!({})).unwrap();
+    assert_eq!(settings["endpoint"], json!("http://127.0.0.1:9"));
+    assert_eq!(call(&f, "pause_download", json!({ "repo": "a/b" })).unwrap(), json!(false));
+}

@@ -222,6 +222,35 @@ async function main() {
       assert.match(last(v, "assistant").stats, pattern);
     }
     await shot(s, "speculative-reply");
+
+    // The model library downloads a model from the hub (a local stand-in, see run.sh) with a
+    // progress bar seen moving; the model joins the library, loads and chats.
+    await (await s.find('[data-testid="models-button"]')).click();
+    await (await s.waitForElement('[data-testid="library-search-input"]')).type("tiny-demo");
+    await (await s.find('[data-testid="library-search-button"]')).click();
+    const row = '[data-testid="catalog-item"][data-repo="quince-test/tiny-demo"]';
+    await (await s.waitForElement(`${row} [data-testid="download-button"]`)).click();
+    const moving = await s.waitFor("the download's progress bar to move", async () => {
+      const p = await s.execute(`
+        const bar = document.querySelector('${row} [data-testid="download-progress"]');
+        return bar ? { done: Number(bar.dataset.done), total: Number(bar.dataset.total) } : null;`);
+      return p && p.done > 0 && p.done < p.total ? p : null;
+    }, 60000, 50);
+    console.log(`  download at ${moving.done} of ${moving.total} bytes`);
+    await shot(s, "download-progress");
+    await s.waitFor("the download to finish", async () =>
+      (await s.execute(`return document.querySelector('${row}')?.dataset.state ?? null`)) === "done", 120000);
+    const downloaded = await s.waitForElement(
+      '[data-testid="model-item"][data-path*="models--quince-test--tiny-demo"] button.model-main');
+    await shot(s, "downloaded");
+    await downloaded.click();
+    await s.waitFor("the downloaded model to load", async () => /tiny-demo/.test((await view(s)).model ?? ""), 60000);
+    await (await s.find('[data-testid="new-chat"]')).click();
+    await s.waitForElement('[data-testid="empty-state"]');
+    await send(s, "Hello from a downloaded model.");
+    const chatted = await waitForReply(s, 1);
+    assert.equal(last(chatted, "assistant").state, "complete");
+    await shot(s, "downloaded-model-chat");
   } finally {
     await s.quit();
   }

@@ -13,6 +13,15 @@ export QUINCE_DATA_DIR=$(mktemp -d /tmp/quince-e2e.XXXXXX)
 export HF_HUB_CACHE=$QUINCE_DATA_DIR/hf-cache
 rm -rf "$E2E_SHOTS"
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$QUINCE_DATA_DIR"' EXIT
+# The library downloads from a stand-in for huggingface.co on 127.0.0.1 (nothing outside this
+# machine is reachable): the demo model served as quince-test/tiny-demo over a slow link
+# (64 KiB every 5 ms), so the progress bar is seen moving.
+FAKE_HUB=${FAKE_HUB:-target/debug/fake-hub}
+"$FAKE_HUB" --repo quince-test/tiny-demo --dir "${E2E_HUB_MODEL:-target/demo-model}" \
+  --chunk-delay-ms 5 > "$QUINCE_DATA_DIR/fake-hub.url" &
+for _ in $(seq 100); do [ -s "$QUINCE_DATA_DIR/fake-hub.url" ] && break; sleep 0.1; done
+export HF_ENDPOINT=$(head -1 "$QUINCE_DATA_DIR/fake-hub.url")
+echo "e2e: fake hub at $HF_ENDPOINT"
 xvfb-run -a -s "-screen 0 1280x900x24" bash -c '
   trap "kill \$(jobs -p) 2>/dev/null; pkill -P \$\$ 2>/dev/null" EXIT
   "$0" --port "$1" --native-port $(( $1 + 1 )) > "$QUINCE_DATA_DIR/tauri-driver.log" 2>&1 &

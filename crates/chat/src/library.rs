@@ -77,13 +77,7 @@ fn inspect(path: &Path) -> Result<(bool, u64, bool), String> {
 /// Where the Hugging Face cache is: `HF_HUB_CACHE`, else `HF_HOME/hub`, else
 /// `~/.cache/huggingface/hub`.
 pub fn hf_cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("HF_HUB_CACHE") {
-        return Some(PathBuf::from(dir));
-    }
-    if let Some(home) = std::env::var_os("HF_HOME") {
-        return Some(PathBuf::from(home).join("hub"));
-    }
-    directories::BaseDirs::new().map(|b| b.home_dir().join(".cache/huggingface/hub"))
+    hub::cache::default_dir()
 }
 
 /// Compatible models in a Hugging Face cache folder: for each `models--org--name`, the snapshot

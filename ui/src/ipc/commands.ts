@@ -3,7 +3,9 @@
 import { Channel, invoke } from "@tauri-apps/api/core";
 import type {
   AppInfo,
+  CatalogEntry,
   CommandError,
+  DownloadView,
   ConversationDetail,
   ConversationSummary,
   ErrorKind,
@@ -11,6 +13,7 @@ import type {
   LoadedModel,
   ModelEntry,
   ModelsState,
+  NetworkSettings,
   PendingAttachment,
   Settings,
   StreamEvent,
@@ -28,6 +31,10 @@ const ERROR_KINDS: readonly ErrorKind[] = [
   "not_found",
   "invalid",
   "cancelled",
+  "offline",
+  "network",
+  "unauthorized",
+  "disk_full",
   "internal",
 ];
 
@@ -156,6 +163,53 @@ export function loadModel(path: string, onProgress: Channel<LoadEvent>): Promise
 
 export function cancelLoad(): Promise<void> {
   return invoke("cancel_load");
+}
+
+// ---- downloads and the network ----
+
+/** Recommended models with fit estimates (no network). */
+export function catalog(): Promise<CatalogEntry[]> {
+  return invoke("catalog");
+}
+
+/** Searches the hub by repo id (network). */
+export function searchModels(query: string): Promise<CatalogEntry[]> {
+  return invoke("search_models", { query });
+}
+
+/** One model's exact size and fit (network). */
+export function modelDetails(repo: string): Promise<CatalogEntry> {
+  return invoke("model_details", { repo });
+}
+
+export function listDownloads(): Promise<DownloadView[]> {
+  return invoke("list_downloads");
+}
+
+/** Downloads or resumes `repo`, streaming progress; resolves with its library entry. */
+export function downloadModel(repo: string, onProgress: Channel<DownloadView>): Promise<ModelEntry> {
+  return invoke("download_model", { repo, onProgress });
+}
+
+export function pauseDownload(repo: string): Promise<boolean> {
+  return invoke("pause_download", { repo });
+}
+
+export function cancelDownload(repo: string): Promise<void> {
+  return invoke("cancel_download", { repo });
+}
+
+export function networkSettings(): Promise<NetworkSettings> {
+  return invoke("network_settings");
+}
+
+export function setNetwork(enabled: boolean, endpoint: string): Promise<NetworkSettings> {
+  return invoke("set_network", { enabled, endpoint });
+}
+
+/** Stores the Hugging Face token; null or empty forgets it. */
+export function setHfToken(token: string | null): Promise<NetworkSettings> {
+  return invoke("set_hf_token", { token });
 }
 
 export function appInfo(): Promise<AppInfo> {
