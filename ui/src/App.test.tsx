@@ -2,7 +2,17 @@
 // A smoke test of the whole UI over a fake backend (the Tauri IPC is mocked).
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import { act, cleanup, fireEvent, render, screen, waitFor, within } from "@testing-library/react";
-import type { ConversationDetail, StreamEvent, ThreadMessage } from "./ipc/bindings";
+import type {
+  CatalogEntry,
+  ConversationDetail,
+  DownloadView,
+  ModelEntry,
+  ModelsState,
+  NetworkSettings,
+  StreamEvent,
+  ThreadMessage,
+} from "./ipc/bindings";
+import { emptyView } from "./state/downloads";
 import { detail as makeDetail, msg } from "./state/testdata";
 
 type Handler = (args: unknown) => unknown;
@@ -150,5 +160,290 @@ describe("App", () => {
       await waitFor(() => expect(screen.queryByTestId("settings-panel")).toBeNull());
       expect(saved.at(-1)).toMatchObject({ temperature: 0.7, speculation: want });
     }
+  });
+});
+
+// ---- the model library's downloads ----
+
+const MB = 1024 * 1024;
+const GB = 1024 * MB;
+
+function catalogEntry(p: Partial<CatalogEntry> & Pick<CatalogEntry, "repo" | "name">): CatalogEntry {
+  return {
+    description: "",
+    recommended: true,
+    drafter: false,
+    vision: false,
+    weight_bytes: 2 * GB,
+    fit: { verdict: "fits", needed_bytes: 3 * GB, memory_bytes: 16 * GB, context_tokens: 8192 },
+    local_path: null,
+    download: null,
+    ...p,
+  };
+}
+
+const CATALOG: CatalogEntry[] = [
+  catalogEntry({ repo: "mlx-community/small", name: "Small", description: "A small chat model", vision: true }),
+  catalogEntry({
+    repo: "mlx-community/big",
+    name: "Big",
+    weight_bytes: 14 * GB,
+    fit: { verdict: "tight", needed_bytes: 15 * GB, memory_bytes: 16 * GB, context_tokens: 8192 },
+  }),
+  catalogEntry({
+    repo: "mlx-community/huge",
+    name: "Huge",
+    weight_bytes: 60 * GB,
+    fit: { verdict: "too_big", needed_bytes: 64 * GB, memory_bytes: 16 * GB, context_tokens: 8192 },
+  }),
+  catalogEntry({
+    repo: "google/gemma-assistant",
+    name: "Gemma assistant",
+    drafter: true,
+    weight_bytes: null,
+    fit: { verdict: "unknown", needed_bytes: 0, memory_bytes: 16 * GB, context_tokens: 8192 },
+    local_path: "/hf/models--google--gemma-assistant/snapshots/abc",
+  }),
+];
+
+const NETWORK: NetworkSettings = {
+  enabled: true,
+  endpoint: "https://huggingface.co",
+  has_token: false,
+  token_store: "keychain",
+  cache_dir: "/hf",
+};
+
+type ChannelLike = { onmessage: (v: DownloadView) => void };
+
+function row(repo: string): HTMLElement {
+  const el = document.querySelector<HTMLElement>(`[data-testid="catalog-item"][data-repo="${repo}"]`);
+  if (!el) throw new Error(`no catalog row for ${repo}`);
+  return el;
+}
+
+function downloading(repo: string, p: Partial<DownloadView>): DownloadView {
+  return { ...emptyView(repo), state: "downloading", ...p };
+}
+
+async function openModels() {
+  render(<App />);
+  await waitFor(() => expect(screen.getByTestId("model-status").textContent).toBe("Demo (untrained)"));
+  fireEvent.click(screen.getByTestId("models-button"));
+  await waitFor(() => expect(screen.getAllByTestId("catalog-item").length).toBeGreaterThan(0));
+}
+
+describe("Model library downloads", () => {
+  beforeEach(() => {
+    handlers.set("catalog", () => CATALOG);
+    handlers.set("list_downloads", () => []);
+    handlers.set("network_settings", () => NETWORK);
+  });
+
+  it("shows the recommended models with their size and fit", async () => {
+    await openModels();
+    expect(screen.getAllByTestId("catalog-item").map((r) => r.getAttribute("data-repo"))).toEqual(CATALOG.map((e) => e.repo));
+
+    const small = row("mlx-community/small");
+    expect(within(small).getByTestId("catalog-size").textContent).toBe("≈ 2.0 GB");
+    const badge = within(small).getByTestId("fit-badge");
+    expect(badge.getAttribute("data-fit")).toBe("fits");
+    expect(badge.textContent).toBe("fits");
+    expect(badge.getAttribute("title")).toBe("weights + KV cache at 8,192 tokens ≈ 3.0 GB of 16 GB memory");
+    expect(within(small).getByTestId("download-button").textContent).toBe("Download");
+
+    expect(within(row("mlx-community/big")).getByTestId("fit-badge").textContent).toBe("tight fit");
+    expect(within(row("mlx-community/huge")).getByTestId("fit-badge").textContent).toBe("too big for this Mac");
+
+    // Already in the cache: no download; a drafter says so; an unknown fit has no badge.
+    const assistant = row("google/gemma-assistant");
+    expect(within(assistant).queryByTestId("fit-badge")).toBeNull();
+    expect(within(assistant).getByText("assistant drafter")).toBeTruthy();
+    expect(within(assistant).getByText("downloaded")).toBeTruthy();
+    expect(within(assistant).queryByTestId("download-button")).toBeNull();
+
+    // The network settings: on, and where a token would be kept.
+    expect((screen.getByTestId("network-enabled") as HTMLInputElement).checked).toBe(true);
+    expect(screen.getByTestId("token-store").textContent).toContain("macOS Keychain");
+  });
+
+  it("searches the hub and goes back to the recommended list", async () => {
+    const queries: string[] = [];
+    handlers.set("search_models", (a) => {
+      queries.push((a as { query: string }).query);
+      return [catalogEntry({ repo: "someone/gemma-mlx", name: "someone/gemma-mlx", recommended: false, weight_bytes: null })];
+    });
+    await openModels();
+    const input = screen.getByTestId("library-search-input");
+    expect(input.getAttribute("placeholder")).toBe("Search Hugging Face, e.g. mlx-community/gemma");
+    fireEvent.change(input, { target: { value: " gemma " } });
+    await act(async () => {
+      fireEvent.click(screen.getByTestId("library-search-button"));
+    });
+    await waitFor(() => expect(screen.getAllByTestId("catalog-item")).toHaveLength(1));
+    expect(queries).toEqual(["gemma"]);
+    expect(row("someone/gemma-mlx")).toBeTruthy();
+    fireEvent.click(screen.getByTestId("library-recommended"));
+    expect(screen.getAllByTestId("catalog-item")).toHaveLength(CATALOG.length);
+  });
+
+  it("explains a search refused because networking is off", async () => {
+    handlers.set("network_settings", () => ({ ...NETWORK, enabled: false }));
+    handlers.set("search_models", () => {
+      throw { kind: "offline", message: "offline" };
+    });
+    await openModels();
+    fireEvent.change(screen.getByTestId("library-search-input"), { target: { value: "gemma" } });
+    await act(async () => {
+      fireEvent.click(screen.getByTestId("library-search-button"));
+    });
+    const err = await screen.findByTestId("library-error");
+    expect(err.textContent).toContain("Networking is off");
+    expect(screen.getByTestId("network-settings").hasAttribute("open")).toBe(true);
+
+    const saved: unknown[] = [];
+    handlers.set("set_network", (a) => {
+      saved.push(a);
+      return { ...NETWORK, enabled: true };
+    });
+    await act(async () => {
+      fireEvent.click(screen.getByTestId("network-enabled"));
+    });
+    expect(saved).toEqual([{ enabled: true, endpoint: "https://huggingface.co" }]);
+    await waitFor(() => expect((screen.getByTestId("network-enabled") as HTMLInputElement).checked).toBe(true));
+  });
+
+  it("streams a download's progress, then adds the model to the library", async () => {
+    const repo = "mlx-community/small";
+    const dl: { ch?: ChannelLike; finish?: (e: ModelEntry) => void } = {};
+    handlers.set("download_model", (a) => {
+      const args = a as { repo: string; onProgress: ChannelLike };
+      expect(args.repo).toBe(repo);
+      dl.ch = args.onProgress;
+      return new Promise<ModelEntry>((resolve) => {
+        dl.finish = resolve;
+      });
+    });
+    const newModel: ModelEntry = {
+      path: "/hf/models--mlx-community--small/snapshots/abc",
+      name: "small",
+      source: "hf_cache",
+      vision: true,
+      bytes: 40 * MB,
+      problem: null,
+      drafter: false,
+    };
+    const listModels = handlers.get("list_models") as () => ModelsState;
+    let listCalls = 0;
+    let done = false;
+    handlers.set("list_models", () => {
+      listCalls++;
+      const st = listModels();
+      return done ? { ...st, models: [...st.models, newModel] } : st;
+    });
+
+    await openModels();
+    fireEvent.click(within(row(repo)).getByTestId("download-button"));
+    await waitFor(() => expect(dl.ch).toBeDefined());
+    expect(row(repo).getAttribute("data-state")).toBe("queued");
+
+    act(() => dl.ch?.onmessage(downloading(repo, { done_bytes: 10 * MB, total_bytes: 40 * MB, rate: 5 * MB, eta_s: 6, files: 9, files_done: 1 })));
+    const bar = within(row(repo)).getByTestId("download-progress");
+    expect(bar.getAttribute("data-done")).toBe(String(10 * MB));
+    expect(bar.getAttribute("data-total")).toBe(String(40 * MB));
+    expect(row(repo).getAttribute("data-state")).toBe("downloading");
+    expect(within(row(repo)).getByTestId("download-status").textContent).toBe("10 MB of 40 MB · 5.0 MB/s · 6 s left · file 2/9");
+    expect(within(row(repo)).queryByTestId("download-button")).toBeNull();
+    expect(within(row(repo)).getByTestId("pause-download")).toBeTruthy();
+    expect(within(row(repo)).getByTestId("cancel-download")).toBeTruthy();
+
+    // Closing the panel leaves the download running; reopening shows its progress.
+    fireEvent.click(screen.getByRole("button", { name: "Close" }));
+    expect(screen.queryByTestId("models-panel")).toBeNull();
+    act(() => dl.ch?.onmessage(downloading(repo, { done_bytes: 30 * MB, total_bytes: 40 * MB, rate: 5 * MB, eta_s: 2, files: 9, files_done: 7 })));
+    fireEvent.click(screen.getByTestId("models-button"));
+    await waitFor(() => expect(screen.getAllByTestId("catalog-item").length).toBeGreaterThan(0));
+    expect(within(row(repo)).getByTestId("download-progress").getAttribute("data-done")).toBe(String(30 * MB));
+
+    const before = listCalls;
+    done = true;
+    await act(async () => {
+      dl.finish?.(newModel);
+    });
+    await waitFor(() =>
+      expect(document.querySelector(`[data-testid="model-item"][data-path="${newModel.path}"]`)).not.toBeNull(),
+    );
+    expect(listCalls).toBeGreaterThan(before);
+    expect(row(repo).getAttribute("data-state")).toBe("done");
+    expect(within(row(repo)).getByText("downloaded")).toBeTruthy();
+    expect(within(row(repo)).queryByTestId("download-progress")).toBeNull();
+    expect(within(row(repo)).queryByTestId("download-button")).toBeNull();
+    // A late progress event does not take the finished download back.
+    act(() => dl.ch?.onmessage(downloading(repo, { done_bytes: 39 * MB, total_bytes: 40 * MB })));
+    expect(row(repo).getAttribute("data-state")).toBe("done");
+  });
+
+  it("pauses a download and offers to resume it", async () => {
+    const repo = "mlx-community/big";
+    const dl: { ch?: ChannelLike; reject?: (e: unknown) => void } = {};
+    handlers.set("download_model", (a) => {
+      dl.ch = (a as { onProgress: ChannelLike }).onProgress;
+      return new Promise((_, reject) => {
+        dl.reject = reject;
+      });
+    });
+    const paused: unknown[] = [];
+    handlers.set("pause_download", (a) => {
+      paused.push(a);
+      dl.reject?.({ kind: "cancelled", message: "Paused" });
+      return true;
+    });
+    await openModels();
+    fireEvent.click(within(row(repo)).getByTestId("download-button"));
+    await waitFor(() => expect(dl.ch).toBeDefined());
+    act(() => dl.ch?.onmessage(downloading(repo, { done_bytes: 2 * GB, total_bytes: 14 * GB })));
+    await act(async () => {
+      fireEvent.click(within(row(repo)).getByTestId("pause-download"));
+    });
+    expect(paused).toEqual([{ repo }]);
+    await waitFor(() => expect(row(repo).getAttribute("data-state")).toBe("paused"));
+    expect(within(row(repo)).getByTestId("download-button").textContent).toBe("Resume");
+    expect(within(row(repo)).getByTestId("download-status").textContent).toBe("Paused · 2.0 GB of 14 GB");
+    expect(screen.queryByTestId("library-error")).toBeNull();
+  });
+
+  it("asks for a token when the hub refuses, then retries", async () => {
+    const repo = "mlx-community/small";
+    let attempts = 0;
+    handlers.set("download_model", () => {
+      attempts++;
+      if (attempts === 1) throw { kind: "unauthorized", message: "This model is gated: a Hugging Face token is needed" };
+      return new Promise(() => {});
+    });
+    const tokens: unknown[] = [];
+    handlers.set("set_hf_token", (a) => {
+      tokens.push((a as { token: string | null }).token);
+      return { ...NETWORK, has_token: true };
+    });
+    await openModels();
+    await act(async () => {
+      fireEvent.click(within(row(repo)).getByTestId("download-button"));
+    });
+    await waitFor(() => expect(row(repo).getAttribute("data-state")).toBe("failed"));
+    expect(within(row(repo)).getByTestId("download-error").textContent).toBe(
+      "This model is gated: a Hugging Face token is needed",
+    );
+    const field = within(row(repo)).getByTestId("hf-token-input") as HTMLInputElement;
+    expect(field.type).toBe("password");
+    fireEvent.change(field, { target: { value: "hf_secret" } });
+    await act(async () => {
+      fireEvent.click(within(row(repo)).getByText("Save token"));
+    });
+    expect(tokens).toEqual(["hf_secret"]);
+    await waitFor(() => expect(attempts).toBe(2));
+    await waitFor(() => expect(row(repo).getAttribute("data-state")).toBe("queued"));
+    expect(within(row(repo)).queryByTestId("hf-token-input")).toBeNull();
+    // The network settings now know a token is saved.
+    expect(screen.getByTestId("network-token-forget")).toBeTruthy();
   });
 });

@@ -14,6 +14,7 @@ import * as api from "./ipc/commands";
 import { Channel, errorKind, errorMessage } from "./ipc/commands";
 import { actionFromEvent, chatReducer, initialChatState, isStreamingHere } from "./state/stream";
 import { addAttachment, partitionFiles, removeAttachment, visionRefusal } from "./state/attachments";
+import { useDownloads } from "./state/useDownloads";
 import { Sidebar } from "./components/Sidebar";
 import { ChatView } from "./components/ChatView";
 import { Composer, type ComposerHandle } from "./components/Composer";
@@ -315,6 +316,12 @@ export function App() {
     }
   }, [showError]);
 
+  // A finished download joins the library (its entry is in the refreshed list).
+  const onDownloaded = useCallback(() => {
+    void refreshModels();
+  }, [refreshModels]);
+  const downloads = useDownloads(onDownloaded);
+
   // Startup: list models; load the default one when nothing is loaded.
   const booted = useRef(false);
   useEffect(() => {
@@ -475,6 +482,7 @@ export function App() {
           onLoad={loadEntry}
           onAddFolder={() => void addFolder()}
           onRemoveFolder={(m) => void removeFolder(m)}
+          downloads={downloads}
           onClose={() => setModelsOpen(false)}
         />
       ) : null}
