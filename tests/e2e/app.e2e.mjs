@@ -233,10 +233,11 @@ async function main() {
     const moving = await s.waitFor("the download's progress bar to move", async () => {
       const p = await s.execute(`
         const bar = document.querySelector('${row} [data-testid="download-progress"]');
-        return bar ? { done: Number(bar.dataset.done), total: Number(bar.dataset.total) } : null;`);
-      return p && p.done > 0 && p.done < p.total ? p : null;
+        const status = document.querySelector('${row} [data-testid="download-status"]')?.innerText ?? '';
+        return bar ? { done: Number(bar.dataset.done), total: Number(bar.dataset.total), status } : null;`);
+      return p && p.done > p.total / 10 && p.done < p.total / 2 && / of /.test(p.status) ? p : null;
     }, 60000, 50);
-    console.log(`  download at ${moving.done} of ${moving.total} bytes`);
+    console.log(`  download at ${moving.done} of ${moving.total} bytes: ${moving.status}`);
     await shot(s, "download-progress");
     await s.waitFor("the download to finish", async () =>
       (await s.execute(`return document.querySelector('${row}')?.dataset.state ?? null`)) === "done", 120000);
@@ -247,6 +248,7 @@ async function main() {
     await s.waitFor("the downloaded model to load", async () => /tiny-demo/.test((await view(s)).model ?? ""), 60000);
     await (await s.find('[data-testid="new-chat"]')).click();
     await s.waitForElement('[data-testid="empty-state"]');
+    await setMaxTokens(s, 16);
     await send(s, "Hello from a downloaded model.");
     const chatted = await waitForReply(s, 1);
     assert.equal(last(chatted, "assistant").state, "complete");
