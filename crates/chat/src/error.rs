@@ -75,7 +75,7 @@ impl Error {
             Error::Hub(e) => match e {
                 hub::Error::Unauthorized { .. } => ErrorKind::Unauthorized,
                 hub::Error::NotFound { .. } => ErrorKind::NotFound,
-                hub::Error::NoSpace { .. } => ErrorKind::DiskFull,
+                hub::Error::NoSpace { .. } | hub::Error::DiskFull { .. } => ErrorKind::DiskFull,
                 hub::Error::Cancelled => ErrorKind::Cancelled,
                 hub::Error::Io { .. } => ErrorKind::Internal,
                 hub::Error::Network { .. }

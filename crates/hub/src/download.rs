@@ -183,12 +183,13 @@ async fn fetch(
                 .map_err(io(&partial))?;
             match status {
                 206 => {}
-                200 => {
+                200 if have > 0 => {
                     // The server sent the whole file: start it over.
                     out.set_len(0).await.map_err(io(&partial))?;
                     state.done -= have;
                     state.file_done = 0;
                 }
+                200 => {}
                 _ => {
                     let what = format!("{} in {}", file.path, info.repo);
                     return Err(client.status_error(&info.repo, &what, &url, status));
@@ -249,12 +250,8 @@ async fn fetch(
 
 /// A full disk is said plainly; the partial file stays for a resume once there is room.
 fn write_error(path: &Path, e: std::io::Error) -> Error {
-    if e.raw_os_error() == Some(28) {
-        return Error::NoSpace {
-            dir: path.parent().map(Path::to_path_buf).unwrap_or_default(),
-            needed: 0,
-            available: 0,
-        };
+    if e.kind() == std::io::ErrorKind::StorageFull {
+        return Error::DiskFull { dir: path.parent().map(Path::to_path_buf).unwrap_or_default() };
     }
     Error::Io { path: path.to_path_buf(), source: e }
 }

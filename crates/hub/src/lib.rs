@@ -69,6 +69,16 @@ pub enum Error {
         /// Bytes free.
         available: u64,
     },
+    /// The disk filled up during the transfer.
+    #[error(
+        "The disk is full ({}): free some space, then resume the download; what was fetched \
+         is kept.",
+        dir.display()
+    )]
+    DiskFull {
+        /// The folder being written.
+        dir: PathBuf,
+    },
     /// The network failed (no connection, a dropped transfer, a timeout).
     #[error(
         "The download from {endpoint} was interrupted: {message}. It resumes where it stopped."

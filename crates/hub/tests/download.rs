@@ -202,3 +202,24 @@ async fn a_paused_download_keeps_its_bytes_and_continues() {
     // At most the chunks in flight when it paused came twice.
     assert!(hub.served() - total() <= 2 * (64 << 10), "{} served", hub.served());
 }
+
+#[tokio::test]
+async fn a_disk_that_fills_up_mid_transfer_says_so_and_keeps_what_it_has() {
+    let hub = hub_with_repo().await;
+    let cache = tempfile::tempdir().unwrap();
+    let client = Client::new(&hub.url, None).unwrap();
+    let info = client.repo_info(REPO, "main").await.unwrap();
+    let lfs = info.files.iter().find(|f| f.sha256.is_some()).unwrap();
+    // The weights' partial file is /dev/full: every write fails with ENOSPC.
+    let blobs = cache.path().join("models--quince-test--tiny-model/blobs");
+    std::fs::create_dir_all(&blobs).unwrap();
+    std::os::unix::fs::symlink("/dev/full", blobs.join(format!("{}.incomplete", lfs.blob_name())))
+        .unwrap();
+    let (result, _) = download(&hub, cache.path(), None, &AtomicBool::new(false)).await;
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::DiskFull { .. }), "{err}");
+    assert!(err.to_string().contains("disk is full"), "{err}");
+    // The small file fetched before it stays complete.
+    let config = info.files.iter().find(|f| f.path == "config.json").unwrap();
+    assert!(blobs.join(config.blob_name()).is_file());
+}
