@@ -463,7 +463,7 @@ pub struct CatalogEntry {
 pub struct NetworkSettings {
     /// Search and downloads may use the network (only when the user starts one).
     pub enabled: bool,
-    /// The hub (`HF_ENDPOINT` convention; default https://huggingface.co).
+    /// The hub (`HF_ENDPOINT` convention; default `https://huggingface.co`).
     pub endpoint: String,
     /// A Hugging Face token is stored.
     pub has_token: bool,

@@ -15,7 +15,7 @@ pub struct Args {
     /// Branch, tag or commit.
     #[arg(long, default_value = "main")]
     pub revision: String,
-    /// The hub (default: `HF_ENDPOINT`, else https://huggingface.co).
+    /// The hub (default: `HF_ENDPOINT`, else `https://huggingface.co`).
     #[arg(long)]
     pub endpoint: Option<String>,
     /// The Hugging Face cache (default: `HF_HUB_CACHE`, else `HF_HOME/hub`, else

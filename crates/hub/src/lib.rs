@@ -17,7 +17,7 @@
 //! touches the network unless called: the app calls it only when the user searches, asks for
 //! a model's details or downloads.
 //!
-//! With the `fake` feature, [`fake`] serves a folder as a repo on 127.0.0.1 for tests.
+//! With the `fake` feature, the `fake` module serves a folder as a repo on 127.0.0.1 for tests.
 
 pub mod cache;
 mod download;
