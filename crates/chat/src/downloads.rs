@@ -39,6 +39,22 @@ pub(crate) struct Registry {
     latest: Mutex<HashMap<String, DownloadView>>,
 }
 
+/// Seconds to wait before each retry after a lost connection (then the download fails, to be
+/// resumed by hand).
+const RETRY_SECONDS: [u64; 6] = [1, 2, 5, 10, 30, 60];
+
+/// Sleeps `seconds`, or less when `pause` is set (then false).
+async fn wait_unless_paused(pause: &AtomicBool, seconds: u64) -> bool {
+    let until = Instant::now() + std::time::Duration::from_secs(seconds);
+    while Instant::now() < until {
+        if pause.load(Ordering::SeqCst) {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    !pause.load(Ordering::SeqCst)
+}
+
 /// A recommended model (mlx-community 4-bit conversions; sizes are estimates until the hub
 /// lists the files).
 struct Recommended {
@@ -540,37 +556,39 @@ impl Chat {
         self.record(&view).await?;
         on_event(view.clone());
         let turn = self.downloads.turn.lock().await;
-        let (sender, mut progress) = tokio::sync::mpsc::unbounded_channel::<hub::Progress>();
         let result = if pause.load(Ordering::SeqCst) {
             Err(hub::Error::Cancelled)
         } else {
             view.state = DownloadState::Downloading;
             self.record(&view).await?;
             on_event(view.clone());
-            let pull = hub::pull(client, repo, &view.revision, cache, pause, move |p| {
-                let _ = sender.send(p.clone());
-            });
-            tokio::pin!(pull);
-            let mut saved = Instant::now();
+            // A lost connection is retried after a pause, with the bytes on disk kept; the
+            // count starts over whenever a try made progress.
+            let mut failures = 0;
             loop {
-                tokio::select! {
-                    result = &mut pull => break result,
-                    Some(p) = progress.recv() => {
-                        view.done_bytes = p.done;
-                        view.total_bytes = p.total;
-                        view.file = p.file;
-                        view.files_done = p.files_done as u32;
-                        view.files = p.files as u32;
-                        view.rate = p.rate;
-                        view.eta_s = p.eta_s;
+                let before = view.done_bytes;
+                let result = self.transfer(client, cache, pause, &mut view, on_event).await?;
+                if view.done_bytes > before {
+                    failures = 0;
+                }
+                match result {
+                    Err(hub::Error::Network { message, .. }) if failures < RETRY_SECONDS.len() => {
+                        let wait = RETRY_SECONDS[failures];
+                        failures += 1;
+                        tracing::info!(repo, wait, "download interrupted ({message}); retrying");
+                        view.rate = 0.0;
+                        view.eta_s = None;
+                        view.error = Some(format!(
+                            "Connection lost ({message}). Trying again in {wait} s; nothing \
+                             fetched is lost."
+                        ));
                         on_event(view.clone());
-                        // The store keeps the bytes about once a second, for the list after
-                        // a restart (the files on disk are the truth).
-                        if saved.elapsed().as_secs() >= 1 {
-                            saved = Instant::now();
-                            self.record(&view).await?;
+                        if !wait_unless_paused(pause, wait).await {
+                            break Err(hub::Error::Cancelled);
                         }
+                        view.error = None;
                     }
+                    other => break other,
                 }
             }
         };
@@ -604,6 +622,44 @@ impl Chat {
                 self.record(&view).await?;
                 on_event(view.clone());
                 Err(error)
+            }
+        }
+    }
+
+    /// One try of a download's transfer, its progress reported through `view`.
+    async fn transfer(
+        &self,
+        client: &hub::Client,
+        cache: &Path,
+        pause: &AtomicBool,
+        view: &mut DownloadView,
+        on_event: &mut impl FnMut(DownloadView),
+    ) -> Result<hub::Result<PathBuf>> {
+        let (sender, mut progress) = tokio::sync::mpsc::unbounded_channel::<hub::Progress>();
+        let pull = hub::pull(client, &view.repo, &view.revision, cache, pause, move |p| {
+            let _ = sender.send(p.clone());
+        });
+        tokio::pin!(pull);
+        let mut saved = Instant::now();
+        loop {
+            tokio::select! {
+                result = &mut pull => return Ok(result),
+                Some(p) = progress.recv() => {
+                    view.done_bytes = p.done;
+                    view.total_bytes = p.total;
+                    view.file = p.file;
+                    view.files_done = p.files_done as u32;
+                    view.files = p.files as u32;
+                    view.rate = p.rate;
+                    view.eta_s = p.eta_s;
+                    on_event(view.clone());
+                    // The store keeps the bytes about once a second, for the list after a
+                    // restart (the files on disk are the truth).
+                    if saved.elapsed().as_secs() >= 1 {
+                        saved = Instant::now();
+                        self.record(view).await?;
+                    }
+                }
             }
         }
     }

@@ -94,6 +94,26 @@ async fn a_downloaded_model_joins_the_library_and_chats() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_lost_connection_is_retried_from_the_bytes_on_disk() {
+    let f = fixture().await;
+    let chat = f.chat().await;
+    // The link drops 3 MB into the largest file; the download waits, then carries on.
+    f.hub.shared.cut_after.store(3_000_000, Ordering::SeqCst);
+    let mut events = Vec::new();
+    let entry = chat.download(REPO, |e| events.push(e)).await.unwrap();
+    assert_eq!(entry.problem, None);
+    let retry = events.iter().find(|e| e.error.is_some()).expect("a retry was announced");
+    assert_eq!(retry.state, DownloadState::Downloading);
+    assert!(retry.error.as_ref().unwrap().contains("Trying again"), "{retry:?}");
+    assert_eq!(events.last().unwrap().state, DownloadState::Done);
+    assert_eq!(events.last().unwrap().error, None);
+    // The 3 MB before the cut were not fetched again: at most what was in flight when the
+    // link dropped (sent by the server, never written by the client) came twice.
+    assert!(f.hub.served() - f.total <= 512 * 1024, "{} served for {}", f.hub.served(), f.total);
+    chat.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn with_networking_off_nothing_connects() {
     let f = fixture().await;
     let chat = f.chat().await;

@@ -66,6 +66,11 @@ describe("downloadStatusLine", () => {
     expect(downloadStatusLine(v)).toBe("12 MB of 44 MB · 5.1 MB/s · 8 s left · file 2/9");
   });
 
+  it("says when a lost connection is tried again", () => {
+    const v = view({ done_bytes: 3 * MB, total_bytes: 44 * MB, error: "Connection lost (reset). Trying again in 2 s." });
+    expect(downloadStatusLine(v)).toBe("3.0 MB of 44 MB · Connection lost (reset). Trying again in 2 s.");
+  });
+
   it("leaves out what is not known yet", () => {
     expect(downloadStatusLine(view({ done_bytes: 2048 }))).toBe("2.0 KB");
     // The file count never passes the number of files.

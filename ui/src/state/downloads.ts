@@ -127,6 +127,8 @@ export function downloadStatusLine(v: DownloadView): string {
     case "queued":
       return v.done_bytes > 0 ? `Waiting to start · ${bytesLine(v)}` : "Waiting to start";
     case "downloading": {
+      // A lost connection: the backend says when it tries again.
+      if (v.error) return `${bytesLine(v)} · ${v.error}`;
       const parts = [bytesLine(v)];
       if (v.rate > 0) parts.push(`${formatBytes(Math.round(v.rate))}/s`);
       const eta = formatEta(v.eta_s);
