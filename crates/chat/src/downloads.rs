@@ -279,6 +279,8 @@ fn view_of(row: &store::Download) -> DownloadView {
         done_bytes: row.done_bytes.max(0) as u64,
         total_bytes: row.total_bytes.max(0) as u64,
         file: String::new(),
+        file_done: 0,
+        file_size: 0,
         files_done: 0,
         files: 0,
         rate: 0.0,
@@ -545,6 +547,8 @@ impl Chat {
             done_bytes: before.as_ref().map_or(0, |d| d.done_bytes),
             total_bytes: before.as_ref().map_or(0, |d| d.total_bytes),
             file: String::new(),
+            file_done: 0,
+            file_size: 0,
             files_done: 0,
             files: 0,
             rate: 0.0,
@@ -648,6 +652,8 @@ impl Chat {
                     view.done_bytes = p.done;
                     view.total_bytes = p.total;
                     view.file = p.file;
+                    view.file_done = p.file_done;
+                    view.file_size = p.file_size;
                     view.files_done = p.files_done as u32;
                     view.files = p.files as u32;
                     view.rate = p.rate;

@@ -416,6 +416,12 @@ pub struct DownloadView {
     pub total_bytes: u64,
     /// The file being transferred.
     pub file: String,
+    /// Its bytes on disk.
+    #[ts(type = "number")]
+    pub file_done: u64,
+    /// Its size.
+    #[ts(type = "number")]
+    pub file_size: u64,
     /// Files complete.
     pub files_done: u32,
     /// Files in all.

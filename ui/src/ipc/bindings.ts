@@ -413,6 +413,14 @@ total_bytes: number,
  */
 file: string, 
 /**
+ * Its bytes on disk.
+ */
+file_done: number, 
+/**
+ * Its size.
+ */
+file_size: number, 
+/**
  * Files complete.
  */
 files_done: number, 
@@ -489,7 +497,7 @@ export type NetworkSettings = {
  */
 enabled: boolean, 
 /**
- * The hub (`HF_ENDPOINT` convention; default https://huggingface.co).
+ * The hub (`HF_ENDPOINT` convention; default `https://huggingface.co`).
  */
 endpoint: string, 
 /**

@@ -66,6 +66,14 @@ describe("downloadStatusLine", () => {
     expect(downloadStatusLine(v)).toBe("12 MB of 44 MB · 5.1 MB/s · 8 s left · file 2/9");
   });
 
+  it("names the file being fetched with its own progress", () => {
+    const v = view({
+      done_bytes: 12 * MB, total_bytes: 44 * MB, files_done: 1, files: 4,
+      file: "model.safetensors", file_done: 3 * MB, file_size: 9 * MB,
+    });
+    expect(downloadStatusLine(v)).toBe("12 MB of 44 MB · file 2/4: model.safetensors 3.0 MB of 9.0 MB");
+  });
+
   it("says when a lost connection is tried again", () => {
     const v = view({ done_bytes: 3 * MB, total_bytes: 44 * MB, error: "Connection lost (reset). Trying again in 2 s." });
     expect(downloadStatusLine(v)).toBe("3.0 MB of 44 MB · Connection lost (reset). Trying again in 2 s.");

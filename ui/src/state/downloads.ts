@@ -36,6 +36,8 @@ export function emptyView(repo: string): DownloadView {
     done_bytes: 0,
     total_bytes: 0,
     file: "",
+    file_done: 0,
+    file_size: 0,
     files_done: 0,
     files: 0,
     rate: 0,
@@ -133,7 +135,15 @@ export function downloadStatusLine(v: DownloadView): string {
       if (v.rate > 0) parts.push(`${formatBytes(Math.round(v.rate))}/s`);
       const eta = formatEta(v.eta_s);
       if (eta) parts.push(`${eta} left`);
-      if (v.files > 0) parts.push(`file ${Math.min(v.files_done + 1, v.files)}/${v.files}`);
+      if (v.files > 0) {
+        const which = `file ${Math.min(v.files_done + 1, v.files)}/${v.files}`;
+        // The file being fetched and its own progress, when known.
+        parts.push(
+          v.file && v.file_size > 0
+            ? `${which}: ${v.file} ${formatBytes(v.file_done)} of ${formatBytes(v.file_size)}`
+            : which,
+        );
+      }
       return parts.join(" · ");
     }
     case "paused":
