@@ -123,21 +123,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let ms = step_ms(model.as_ref(), &mut caches, k, args.repeats)?;
         windows.push((k, ms, ms / decode));
     }
-    // Where quantized matmuls of a few rows are padded (CUDA), the same windows without it.
-    let padding = engine::nn::quantized_row_padding();
-    let mut unpadded = Vec::new();
-    if padding > 0 {
-        engine::nn::set_quantized_row_padding(0);
-        for k in [2usize, 4] {
-            let ms = step_ms(model.as_ref(), &mut caches, k, args.repeats);
-            unpadded.push((k, ms.as_ref().map_or(f64::NAN, |ms| *ms), 0.0));
-            ms?;
-        }
-        engine::nn::set_quantized_row_padding(padding);
-        for w in &mut unpadded {
-            w.2 = w.1 / decode;
-        }
-    }
 
     // Speed: plain, speculating for nothing, and the model drafting for itself.
     let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
@@ -189,11 +174,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     for (k, ms, ratio) in &windows {
         println!("  verify window of {k}     {ms:8.2} ms   {ratio:5.2}x a decode step");
     }
-    for (k, ms, ratio) in &unpadded {
-        println!(
-            "  same, rows not padded to {padding}: window of {k} {ms:8.2} ms   {ratio:5.2}x a decode step"
-        );
-    }
     println!("  plain decoding         {plain_tok_s:8.1} tok/s");
     println!(
         "  0% acceptance          {never_tok_s:8.1} tok/s   overhead {:+.1}% (adaptive; {:+.1}% at a fixed {} drafts); accepted {}/{}",
@@ -217,8 +197,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             "prompt_tokens": prompt.len(),
             "decode_step_ms": decode,
             "verify": windows.iter().map(|(k, ms, ratio)| json!({"tokens": k, "ms": ms, "ratio": ratio})).collect::<Vec<_>>(),
-            "quantized_row_padding": padding,
-            "verify_unpadded": unpadded.iter().map(|(k, ms, ratio)| json!({"tokens": k, "ms": ms, "ratio": ratio})).collect::<Vec<_>>(),
             "plain_tok_s": plain_tok_s,
             "zero_acceptance": {
                 "tok_s": never_tok_s,

@@ -1,40 +1,9 @@
 //! The few layers models are built from: linear maps, embeddings, RMS norms.
 
-use std::sync::atomic::{AtomicU8, Ordering};
-
 use mlx::{Array, fast};
 
 use crate::checkpoint::Matrix;
 use crate::error::Result;
-
-/// Rows a quantized matmul is padded to when it has fewer (0: never padded).
-///
-/// MLX's CUDA backend runs a quantized matmul of 1–7 rows as one matrix-vector pass per row,
-/// and from 8 rows as one tiled matrix-matrix kernel: measured on an H200 (MLX 0.32.4, Gemma 4
-/// E4B projections, 4-bit), 5 rows cost 3.3× one row and 8 rows 1.25×. A speculative verify
-/// window (2–8 tokens) is therefore padded to 8 rows there. Metal and the CPU pick their
-/// kernels otherwise and are left alone.
-static PAD_ROWS: AtomicU8 = AtomicU8::new(u8::MAX);
-
-fn pad_rows() -> usize {
-    let mut rows = PAD_ROWS.load(Ordering::Relaxed);
-    if rows == u8::MAX {
-        rows = if mlx::device::Backend::current() == mlx::device::Backend::Cuda { 8 } else { 0 };
-        PAD_ROWS.store(rows, Ordering::Relaxed);
-    }
-    rows as usize
-}
-
-/// The rows quantized matmuls of fewer rows are padded to now (0: none).
-pub fn quantized_row_padding() -> u8 {
-    pad_rows() as u8
-}
-
-/// Sets the rows quantized matmuls of fewer rows are padded to (0: none), overriding the
-/// backend's default (benchmarks compare both).
-pub fn set_quantized_row_padding(rows: u8) {
-    PAD_ROWS.store(rows.min(u8::MAX - 1), Ordering::Relaxed);
-}
 
 /// `y = x · Wᵀ` for a weight stored `[out, in]`, dense or quantized.
 #[derive(Debug, Clone)]
@@ -59,28 +28,7 @@ impl Linear {
         Ok(match (&self.weight, &self.transposed) {
             (Matrix::Dense(_), Some(wt)) => x.matmul(wt)?,
             (Matrix::Dense(w), None) => x.matmul(&w.transpose(&[])?)?,
-            (Matrix::Quantized(q), _) => {
-                let shape = x.shape();
-                let cols = shape.last().copied().unwrap_or(0);
-                let rows: i32 = shape[..shape.len().saturating_sub(1)].iter().product();
-                let pad = pad_rows() as i32;
-                if rows > 1 && rows < pad {
-                    // Zero rows up to the kernel that serves a block of rows at once; their
-                    // outputs are dropped.
-                    let flat = x.reshape(&[rows, cols])?;
-                    let zero = Array::from_slice(&[0.0f32], &[])?.astype(x.dtype())?;
-                    let padded = flat.pad(&[0], &[0], &[pad - rows], &zero)?;
-                    let y = q.matmul(&padded, true)?;
-                    let out = y.dim(-1)?;
-                    let mut target = shape.clone();
-                    if let Some(last) = target.last_mut() {
-                        *last = out;
-                    }
-                    y.slice(&[0, 0], &[rows, out], &[1, 1])?.reshape(&target)?
-                } else {
-                    q.matmul(x, true)?
-                }
-            }
+            (Matrix::Quantized(q), _) => q.matmul(x, true)?,
         })
     }
 }
