@@ -226,6 +226,14 @@ async function main() {
     // The model library downloads a model from the hub (a local stand-in, see run.sh) with a
     // progress bar seen moving; the model joins the library, loads and chats.
     await (await s.find('[data-testid="models-button"]')).click();
+    // The recommended models, each with its memory-fit badge, before any network access.
+    const catalog = await s.waitFor("the catalog with fit badges", async () => {
+      const rows = await s.execute(`return [...document.querySelectorAll('[data-testid="catalog-item"]')]
+        .map((r) => ({ repo: r.dataset.repo, fit: r.querySelector('[data-testid="fit-badge"]')?.dataset.fit ?? null }));`);
+      return rows.length >= 5 && rows.every((r) => r.fit) ? rows : null;
+    });
+    assert.ok(catalog.some((r) => r.repo.includes("gemma-4-e4b")), JSON.stringify(catalog));
+    await shot(s, "library-catalog");
     await (await s.waitForElement('[data-testid="library-search-input"]')).type("tiny-demo");
     await (await s.find('[data-testid="library-search-button"]')).click();
     const row = '[data-testid="catalog-item"][data-repo="quince-test/tiny-demo"]';
