@@ -539,24 +539,29 @@ impl Chat {
         pause: &AtomicBool,
         on_event: &mut impl FnMut(DownloadView),
     ) -> Result<ModelEntry> {
-        let before = self.entry_download(repo).await?;
-        let mut view = DownloadView {
-            repo: repo.into(),
-            revision: "main".into(),
-            state: DownloadState::Queued,
-            done_bytes: before.as_ref().map_or(0, |d| d.done_bytes),
-            total_bytes: before.as_ref().map_or(0, |d| d.total_bytes),
-            file: String::new(),
-            file_done: 0,
-            file_size: 0,
-            files_done: 0,
-            files: 0,
-            rate: 0.0,
-            eta_s: None,
-            error: None,
-            error_kind: None,
-            path: None,
+        // Queued, with the bytes an earlier session left on disk.
+        let mut view = match self.entry_download(repo).await? {
+            Some(before) => DownloadView {
+                state: DownloadState::Queued,
+                rate: 0.0,
+                eta_s: None,
+                error: None,
+                error_kind: None,
+                path: None,
+                ..before
+            },
+            None => view_of(&store::Download {
+                repo: repo.into(),
+                revision: "main".into(),
+                state: "queued".into(),
+                total_bytes: 0,
+                done_bytes: 0,
+                error: None,
+                path: None,
+                updated_at: 0,
+            }),
         };
+        view.revision = "main".into();
         self.record(&view).await?;
         on_event(view.clone());
         let turn = self.downloads.turn.lock().await;
