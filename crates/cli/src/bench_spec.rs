@@ -2,7 +2,8 @@
 //!
 //! - `verify_ratio_k`: a verify window of k tokens (round begun, window appended, its logits'
 //!   argmax read, rolled back) over one decode step (one token appended, its argmax read), both
-//!   over the same prompt, medians of `--repeats`;
+//!   over the same prompt, medians of `--repeats`; and a window of 4 that keeps one token per
+//!   run, so that every run sees a new key length as a generation's rounds do;
 //! - `zero_acceptance`: tok/s of speculative decoding with a method whose drafts are never the
 //!   target's picks, over plain decoding (the overhead of speculating for nothing);
 //! - `draft_equals_target`: tok/s with the model drafting for itself (every draft accepted: the
@@ -74,12 +75,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Median ms of appending `length` tokens to caches holding the prompt and reading the argmax
-/// of every row: a decode step for 1, a verify window (then rolled back) otherwise.
+/// of every row: a decode step for 1, a verify window otherwise; each run is then rolled back
+/// to `keep` of its tokens (0: every run sees the same key length).
 fn step_ms(
     model: &dyn Model,
     caches: &mut [Box<dyn AttentionCache>],
     length: usize,
     repeats: usize,
+    keep: usize,
 ) -> anyhow::Result<f64> {
     let vocab = model.vocab_size() as u32;
     let mut times = Vec::new();
@@ -97,7 +100,7 @@ fn step_ms(
         let _ = logits.argmax(-1, false)?.to_vec::<u32>()?;
         let elapsed = start.elapsed().as_secs_f64() * 1e3;
         for cache in caches.iter_mut() {
-            cache.spec_round_rollback(0)?;
+            cache.spec_round_rollback(keep)?;
         }
         if r >= 2 {
             times.push(elapsed);
@@ -117,12 +120,14 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     // Verify windows against one decode step, over the same prefilled prompt.
     let mut caches = model.new_caches()?;
     engine::generate::prefill(model.as_ref(), &mut caches, &prompt, 512)?;
-    let decode = step_ms(model.as_ref(), &mut caches, 1, args.repeats)?;
+    let decode = step_ms(model.as_ref(), &mut caches, 1, args.repeats, 0)?;
     let mut windows = Vec::new();
     for k in [2usize, 4, 8] {
-        let ms = step_ms(model.as_ref(), &mut caches, k, args.repeats)?;
+        let ms = step_ms(model.as_ref(), &mut caches, k, args.repeats, 0)?;
         windows.push((k, ms, ms / decode));
     }
+    // As in a generation: each round keeps one token, so every window sees a new key length.
+    let growing = step_ms(model.as_ref(), &mut caches, 4, args.repeats, 1)?;
 
     // Speed: plain, speculating for nothing, and the model drafting for itself.
     let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
@@ -174,6 +179,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     for (k, ms, ratio) in &windows {
         println!("  verify window of {k}     {ms:8.2} ms   {ratio:5.2}x a decode step");
     }
+    println!(
+        "  window of 4, keys grow {growing:8.2} ms   {:5.2}x a decode step",
+        growing / decode
+    );
     println!("  plain decoding         {plain_tok_s:8.1} tok/s");
     println!(
         "  0% acceptance          {never_tok_s:8.1} tok/s   overhead {:+.1}% (adaptive; {:+.1}% at a fixed {} drafts); accepted {}/{}",
@@ -197,6 +206,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             "prompt_tokens": prompt.len(),
             "decode_step_ms": decode,
             "verify": windows.iter().map(|(k, ms, ratio)| json!({"tokens": k, "ms": ms, "ratio": ratio})).collect::<Vec<_>>(),
+            "verify_4_growing": {"ms": growing, "ratio": growing / decode},
             "plain_tok_s": plain_tok_s,
             "zero_acceptance": {
                 "tok_s": never_tok_s,
