@@ -179,10 +179,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     for (k, ms, ratio) in &windows {
         println!("  verify window of {k}     {ms:8.2} ms   {ratio:5.2}x a decode step");
     }
-    println!(
-        "  window of 4, keys grow {growing:8.2} ms   {:5.2}x a decode step",
-        growing / decode
-    );
+    println!("  window of 4, keys grow {growing:8.2} ms   {:5.2}x a decode step", growing / decode);
     println!("  plain decoding         {plain_tok_s:8.1} tok/s");
     println!(
         "  0% acceptance          {never_tok_s:8.1} tok/s   overhead {:+.1}% (adaptive; {:+.1}% at a fixed {} drafts); accepted {}/{}",

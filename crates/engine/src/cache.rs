@@ -21,10 +21,12 @@
 //!   move their offset back; a ring restores its snapshot and rewrites the kept positions
 //!   into the slots decode steps would have used, so it stays exact after it wraps.
 //!
-//! Storages: [`PlainCache`] (growable) and [`RotatingCache`] (sliding window ring).
+//! Storages: [`PlainCache`] (growable) and [`RotatingCache`] (sliding window ring). Rows of a
+//! batch: [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]).
 
 mod plain;
 mod rotating;
+mod rows;
 
 use std::collections::BTreeMap;
 
@@ -33,6 +35,7 @@ use mlx::fast::{AttentionMask, scaled_dot_product_attention};
 
 pub use plain::PlainCache;
 pub use rotating::RotatingCache;
+pub use rows::{CacheRows, Keep};
 
 use crate::error::{Error, Result};
 
@@ -71,9 +74,14 @@ impl AttentionRead {
             ReadMask::None => AttentionMask::None,
             ReadMask::Causal => AttentionMask::Causal,
             ReadMask::Array(m) => {
-                let (rows, queries) = (m.dim(0)?, q.dim(2)?);
+                // `[L, S]`, or `[B, 1, L, S]` for a batch of rows: queries on the next-to-last axis.
+                let shape = m.shape();
+                let axis = shape.len() - 2;
+                let (rows, queries) = (shape[axis], q.dim(2)?);
                 if queries < rows {
-                    trimmed = m.slice(&[rows - queries, 0], &[rows, m.dim(1)?], &[1, 1])?;
+                    let mut start = vec![0; shape.len()];
+                    start[axis] = rows - queries;
+                    trimmed = m.slice(&start, &shape, &vec![1; shape.len()])?;
                     AttentionMask::Array(&trimmed)
                 } else {
                     AttentionMask::Array(m)

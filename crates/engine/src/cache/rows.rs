@@ -1,0 +1,287 @@
+//! A batch of rows, each kept in its own storage: the row layout that verification and
+//! batching need (rows at their own offsets, joined, extracted, filtered, and a speculative
+//! round resolved with one keep count per row).
+//!
+//! Every row is a single-sequence cache of the same storage (plain, ring, …), so each row is
+//! exactly what that storage would be for its sequence alone, whatever the other rows do: a
+//! per-row rollback is each row's own rollback, and an extracted row is an ordinary cache. An
+//! append hands each row its slice of the batch; the read then stacks the rows' reads, each
+//! left-padded to the longest with padding no query sees (the seed's `leftPad`).
+//!
+//! The cost of keeping rows apart: a batch of more than one row copies every row's visible keys
+//! and values into the stacked read at each append. A layout sharing one left-padded buffer
+//! (mlx-lm's `BatchKVCache`) writes once per step instead, but must shift a row's whole history
+//! when a round keeps fewer of its positions than another row's; it belongs with batched
+//! generation, which nothing runs yet. A batch of one row reads straight from its storage.
+
+use mlx::{Array, Dtype, ops};
+
+use super::{AttentionCache, AttentionRead, ReadMask, check_append, round_error};
+use crate::error::{Error, Result};
+
+/// How many positions of a speculative round each row keeps.
+#[derive(Debug, Clone, Copy)]
+pub enum Keep<'a> {
+    /// The same count for every row.
+    All(usize),
+    /// One count per row, in row order.
+    Each(&'a [usize]),
+}
+
+/// Rows of one batch, each in its own storage. See the module docs.
+#[derive(Debug, Default)]
+pub struct CacheRows {
+    rows: Vec<Box<dyn AttentionCache>>,
+    /// Each row's offset when the armed round began.
+    round: Option<Vec<usize>>,
+}
+
+impl CacheRows {
+    /// An empty batch; rows join with [`CacheRows::merge_rows`].
+    pub fn new() -> CacheRows {
+        CacheRows::default()
+    }
+
+    /// Number of rows.
+    pub fn batch_size(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Each row's offset: the position its next appended token takes.
+    pub fn row_offsets(&self) -> Vec<usize> {
+        self.rows.iter().map(|r| r.offset()).collect()
+    }
+
+    /// Padding positions the next read puts before each row's stored ones, so that every row
+    /// ends at the same column (before the append: the append adds the same count to each).
+    pub fn left_pad(&self) -> Result<Vec<usize>> {
+        let stored = self
+            .rows
+            .iter()
+            .map(|r| Ok(r.stored()?.map_or(0, |(k, _)| k.dim(2).unwrap_or(0) as usize)))
+            .collect::<Result<Vec<_>>>()?;
+        let longest = stored.iter().copied().max().unwrap_or(0);
+        Ok(stored.iter().map(|s| longest - s).collect())
+    }
+
+    /// Row `row`'s storage.
+    pub fn row(&self, row: usize) -> Option<&dyn AttentionCache> {
+        self.rows.get(row).map(|r| r.as_ref())
+    }
+
+    /// Appends `rows` after the existing ones. They must share the batch's storage (one
+    /// [`super::Cache::signature`]); outside a round only.
+    pub fn merge_rows(&mut self, rows: Vec<Box<dyn AttentionCache>>) -> Result<()> {
+        self.outside_round("merge rows")?;
+        let signature = self.rows.first().or(rows.first()).map(|r| r.signature());
+        if let Some(other) = rows.iter().find(|r| Some(r.signature()) != signature) {
+            return Err(Error::InvalidRequest(format!(
+                "a batch holds one storage: {} cannot join {}",
+                other.signature(),
+                signature.unwrap_or_default()
+            )));
+        }
+        self.rows.extend(rows);
+        Ok(())
+    }
+
+    /// Removes row `row` and returns it: an ordinary single-sequence cache. Outside a round.
+    pub fn extract_row(&mut self, row: usize) -> Result<Box<dyn AttentionCache>> {
+        self.outside_round("extract a row")?;
+        self.check_row(row)?;
+        Ok(self.rows.remove(row))
+    }
+
+    /// Keeps only the rows listed, in the order listed (each once). Outside a round.
+    pub fn filter_rows(&mut self, keep: &[usize]) -> Result<()> {
+        self.outside_round("filter rows")?;
+        let mut seen = vec![false; self.rows.len()];
+        for &row in keep {
+            self.check_row(row)?;
+            if std::mem::replace(&mut seen[row], true) {
+                return Err(Error::InvalidRequest(format!("row {row} listed twice")));
+            }
+        }
+        let mut rows: Vec<Option<Box<dyn AttentionCache>>> =
+            std::mem::take(&mut self.rows).into_iter().map(Some).collect();
+        self.rows = keep.iter().filter_map(|&row| rows[row].take()).collect();
+        Ok(())
+    }
+
+    /// Decode: one new position per row (`[B, H, 1, D]`, `B` the batch size).
+    pub fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        self.append(keys, values, true)
+    }
+
+    /// Window: `L` new positions per row, causal within the window (see
+    /// [`AttentionCache::append_window`]).
+    pub fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        self.append(keys, values, false)
+    }
+
+    /// Arms a round on every row.
+    pub fn spec_round_begin(&mut self) -> Result<()> {
+        self.outside_round("begin a round")?;
+        for (i, row) in self.rows.iter_mut().enumerate() {
+            if let Err(e) = row.spec_round_begin() {
+                // Disarm the rows already armed: nothing was appended, nothing changes.
+                for armed in &mut self.rows[..i] {
+                    armed.spec_round_rollback(0)?;
+                }
+                return Err(e);
+            }
+        }
+        self.round = Some(self.row_offsets());
+        Ok(())
+    }
+
+    /// Keeps every position the round appended, in every row.
+    pub fn spec_round_commit(&mut self) -> Result<()> {
+        if self.round.take().is_none() {
+            return Err(round_error("commit without a round"));
+        }
+        self.rows.iter_mut().try_for_each(|r| r.spec_round_commit())
+    }
+
+    /// Keeps the first `keep` positions each row appended in the round. Afterwards every row
+    /// is exactly as if only its kept positions had been appended, one decode step each. A
+    /// count above what a row appended is refused before any row changes.
+    pub fn spec_round_rollback(&mut self, keep: Keep<'_>) -> Result<()> {
+        let starts = self.round.as_ref().ok_or_else(|| round_error("rollback without a round"))?;
+        let counts = match keep {
+            Keep::All(n) => vec![n; self.rows.len()],
+            Keep::Each(counts) if counts.len() == self.rows.len() => counts.to_vec(),
+            Keep::Each(counts) => {
+                return Err(round_error(&format!(
+                    "{} keep counts for {} rows",
+                    counts.len(),
+                    self.rows.len()
+                )));
+            }
+        };
+        for (row, ((cache, start), keep)) in self.rows.iter().zip(starts).zip(&counts).enumerate() {
+            let appended = cache.offset() - start;
+            if *keep > appended {
+                return Err(round_error(&format!(
+                    "row {row} cannot keep {keep} of the {appended} positions appended"
+                )));
+            }
+        }
+        self.round = None;
+        self.rows.iter_mut().zip(counts).try_for_each(|(row, keep)| row.spec_round_rollback(keep))
+    }
+
+    fn append(&mut self, keys: &Array, values: &Array, decode: bool) -> Result<AttentionRead> {
+        let length = check_append(keys, values, decode)?;
+        let batch = keys.dim(0)? as usize;
+        if batch != self.rows.len() {
+            return Err(Error::InvalidRequest(format!(
+                "an append of {batch} rows to a batch of {}",
+                self.rows.len()
+            )));
+        }
+        if let [row] = self.rows.as_mut_slice() {
+            return if decode {
+                row.append_decode(keys, values)
+            } else {
+                row.append_window(keys, values)
+            };
+        }
+        // Every row holds the same storage with the same geometry (one signature, appends of
+        // one shape), so a bad append fails on the first row, before any row has changed.
+        let mut reads = Vec::with_capacity(batch);
+        for (b, row) in self.rows.iter_mut().enumerate() {
+            let (k, v) = (row_of(keys, b)?, row_of(values, b)?);
+            reads.push(if decode {
+                row.append_decode(&k, &v)?
+            } else {
+                row.append_window(&k, &v)?
+            });
+        }
+        stack_reads(&reads, length)
+    }
+
+    fn outside_round(&self, what: &str) -> Result<()> {
+        match self.round {
+            Some(_) => Err(round_error(&format!("cannot {what} inside a round"))),
+            None => Ok(()),
+        }
+    }
+
+    fn check_row(&self, row: usize) -> Result<()> {
+        if row >= self.rows.len() {
+            return Err(Error::InvalidRequest(format!(
+                "row {row} of a batch of {}",
+                self.rows.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Row `b` of `[B, H, L, D]`, as `[1, H, L, D]`.
+fn row_of(x: &Array, b: usize) -> Result<Array> {
+    let s = x.shape();
+    let b = b as i32;
+    Ok(x.slice(&[b, 0, 0, 0], &[b + 1, s[1], s[2], s[3]], &[1, 1, 1, 1])?)
+}
+
+/// One read over the rows' reads: keys and values `[B, H, S, D]` with each row left-padded to
+/// the longest, and a bool mask `[B, 1, L, S]` that hides the padding and keeps each row's own
+/// mask over its positions.
+fn stack_reads(reads: &[AttentionRead], length: usize) -> Result<AttentionRead> {
+    let lens = reads.iter().map(|r| r.len()).collect::<Result<Vec<_>>>()?;
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    let (mut keys, mut values, mut masks) = (Vec::new(), Vec::new(), Vec::new());
+    for (read, &len) in reads.iter().zip(&lens) {
+        let pad = longest - len;
+        keys.push(left_pad(&read.keys, pad)?);
+        values.push(left_pad(&read.values, pad)?);
+        masks.push(row_mask(&read.mask, length, len, pad)?);
+    }
+    let keys = ops::concatenate(&keys.iter().collect::<Vec<_>>(), 0)?;
+    let values = ops::concatenate(&values.iter().collect::<Vec<_>>(), 0)?;
+    let mask = ops::stack(&masks.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[1])?;
+    Ok(AttentionRead::new(keys, values, ReadMask::Array(mask)))
+}
+
+/// `[1, H, N, D]` with `pad` zero positions put first.
+fn left_pad(x: &Array, pad: usize) -> Result<Array> {
+    if pad == 0 {
+        return Ok(x.clone());
+    }
+    let s = x.shape();
+    let zeros = ops::zeros(&[s[0], s[1], pad as i32, s[3]], x.dtype())?;
+    Ok(ops::concatenate(&[&zeros, x], 2)?)
+}
+
+/// A row's mask `[L, pad + len]` as bools: the padding hidden, the row's own mask after it.
+fn row_mask(mask: &ReadMask, queries: usize, len: usize, pad: usize) -> Result<Array> {
+    let total = pad + len;
+    let own = match mask {
+        ReadMask::Array(m) => {
+            if m.dtype() != Dtype::Bool || m.shape() != [queries as i32, len as i32] {
+                return Err(Error::InvalidRequest(format!(
+                    "a row read's mask {:?} {:?} is not a bool [{queries}, {len}]",
+                    m.dtype(),
+                    m.shape()
+                )));
+            }
+            if pad == 0 {
+                return Ok(m.clone());
+            }
+            let hidden = ops::zeros(&[queries as i32, pad as i32], Dtype::Bool)?;
+            return Ok(ops::concatenate(&[&hidden, m], 1)?);
+        }
+        ReadMask::None => None,
+        ReadMask::Causal => Some(len),
+    };
+    // Bottom-right causal over the row's own positions: query i sees its j ≤ len − L + i.
+    let mut visible = Vec::with_capacity(queries * total);
+    for i in 0..queries {
+        for j in 0..total {
+            visible.push(j >= pad && own.is_none_or(|len| j - pad + queries <= len + i));
+        }
+    }
+    Ok(Array::from_slice(&visible, &[queries as i32, total as i32])?)
+}
