@@ -87,6 +87,9 @@ pub struct GenerateArgs {
     /// Draft --num-draft tokens every round instead of adapting the length to acceptance.
     #[arg(long)]
     fixed_draft: bool,
+    /// Decode without the compiled step.
+    #[arg(long)]
+    no_compile: bool,
 }
 
 /// Arguments of `quince logits`.
@@ -119,9 +122,9 @@ pub struct BenchArgs {
     /// Model directory.
     #[arg(long)]
     model: PathBuf,
-    /// Synthetic prompt length.
-    #[arg(long, default_value_t = 512)]
-    prompt_tokens: usize,
+    /// Synthetic prompt lengths, each measured on its own (e.g. `512,4096`).
+    #[arg(long, value_delimiter = ',', default_value = "512")]
+    prompt_tokens: Vec<usize>,
     /// Tokens to decode.
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
@@ -144,6 +147,13 @@ pub struct BenchArgs {
     /// The reference half of --compare.
     #[arg(long, default_value = "tests/bench/mlx_lm_generate.py")]
     reference_script: PathBuf,
+    /// Memory bandwidth of the device in GB/s (H200: 4800): adds decode as a fraction of the
+    /// roofline, the weights and the KV cache read once per token.
+    #[arg(long)]
+    bandwidth_gbs: Option<f64>,
+    /// Decode without the compiled step (for A/B runs).
+    #[arg(long)]
+    no_compile: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -215,6 +225,9 @@ pub fn spec_json(spec: &SpecStats) -> serde_json::Value {
 /// `quince generate`.
 pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let model = load(&args.model)?;
+    if let Some(graphs) = model.decode_graphs() {
+        graphs.set_enabled(!args.no_compile);
+    }
     let tokenizer = Tokenizer::from_dir(&args.model)?;
     let prompt = match (&args.tokens, &args.prompt) {
         (Some(tokens), _) => tokens.clone(),
@@ -331,6 +344,7 @@ pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         if let Some(spec) = &reply.spec {
             line["spec"] = spec_json(spec);
         }
+        line["compiled_decode_steps"] = json!(model.decode_graphs().map(|g| g.stats().steps));
         writeln!(out, "{line}")?;
     } else {
         writeln!(out)?;
@@ -435,19 +449,130 @@ fn multimodal_logits(
 
 /// `quince bench`.
 pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
-    if args.prompt_tokens == 0 || args.gen_tokens == 0 {
+    if args.prompt_tokens.is_empty() || args.prompt_tokens.contains(&0) || args.gen_tokens == 0 {
         bail!("--prompt-tokens and --gen-tokens must be positive");
     }
     let model = load(&args.model)?;
-    let text = synthetic_prompt(args.prompt_tokens, model.vocab_size() as u32);
+    if let Some(graphs) = model.decode_graphs() {
+        graphs.set_enabled(!args.no_compile);
+    }
+    let weight_bytes = model.decode_weight_bytes();
+    let mut ours = Vec::new();
+    for &prompt_tokens in &args.prompt_tokens {
+        ours.push(bench_quince(model.as_ref(), args, prompt_tokens)?);
+    }
+    let compiled = model.decode_graphs().is_some_and(|g| g.stats().steps > 0);
+    drop(model);
+    let mut references = Vec::new();
+    if args.compare {
+        for &prompt_tokens in &args.prompt_tokens {
+            references.push(bench_reference(args, prompt_tokens)?);
+        }
+    }
+    // Decode as a fraction of what the bandwidth allows: the weights and the last step's KV.
+    let roofline = |run: &serde_json::Value, kv_bytes: f64| -> serde_json::Value {
+        match (args.bandwidth_gbs, run["decode_tok_s"].as_f64()) {
+            (Some(gbs), Some(tok_s)) if weight_bytes > 0 => {
+                json!(tok_s * (weight_bytes as f64 + kv_bytes) / (gbs * 1e9))
+            }
+            _ => serde_json::Value::Null,
+        }
+    };
+    for (i, run) in ours.iter_mut().enumerate() {
+        let kv = run["kv_bytes_per_token"].as_f64().unwrap_or(0.0);
+        run["roofline"] = roofline(run, kv);
+        if let Some(reference) = references.get_mut(i) {
+            reference["roofline"] = roofline(reference, kv);
+        }
+    }
+    let side = |runs: &[serde_json::Value]| -> serde_json::Value {
+        let mut first = runs[0].clone();
+        first["by_prompt"] = json!(runs);
+        first
+    };
+    let mut out = std::io::stdout().lock();
+    let backend = mlx::Backend::current().name();
+    if args.json {
+        let line = if args.compare {
+            json!({
+                "backend": backend,
+                "compiled_decode": compiled,
+                "decode_weight_bytes": weight_bytes,
+                "quince": side(&ours),
+                "reference": side(&references),
+            })
+        } else {
+            // Without a reference, the one object is ours (its fields at the top level).
+            let mut flat = side(&ours);
+            flat["backend"] = json!(backend);
+            flat["compiled_decode"] = json!(compiled);
+            flat["decode_weight_bytes"] = json!(weight_bytes);
+            flat
+        };
+        writeln!(out, "{line}")?;
+        return Ok(());
+    }
+    let reference_name = if args.image.is_some() { "mlx-vlm" } else { "mlx-lm" };
+    writeln!(
+        out,
+        "{}{} · {} generated · {backend} · compiled decode {}",
+        args.model.display(),
+        if args.image.is_some() { " (image included)" } else { "" },
+        args.gen_tokens,
+        if compiled { "on" } else { "off" },
+    )?;
+    if args.compare {
+        writeln!(out, "{:<28} {:>12} {:>12} {:>9}", "", "quince", reference_name, "ratio")?;
+    }
+    for (i, run) in ours.iter().enumerate() {
+        writeln!(out, "prompt {} tokens", run["prompt_tokens"])?;
+        for (key, label, higher_better) in [
+            ("ttft_ms", "  TTFT (ms)", false),
+            ("prefill_tok_s", "  prefill (tok/s)", true),
+            ("decode_tok_s", "  decode (tok/s)", true),
+            ("peak_mem_bytes", "  peak memory (MiB)", false),
+            ("roofline", "  decode / roofline", true),
+        ] {
+            let scale = if key == "peak_mem_bytes" { 1.0 / f64::from(1 << 20) } else { 1.0 };
+            let Some(a) = run[key].as_f64().map(|v| v * scale) else { continue };
+            match references.get(i).and_then(|r| r[key].as_f64()).map(|v| v * scale) {
+                Some(b) => {
+                    let ratio = if higher_better { a / b } else { b / a };
+                    writeln!(out, "{label:<28} {a:>12.3} {b:>12.3} {ratio:>8.2}x")?;
+                }
+                None => writeln!(out, "{label:<28} {a:>12.3}")?,
+            }
+        }
+        if let Some(reference) = references.get(i) {
+            writeln!(
+                out,
+                "  decode tok/s per run: quince {} · {reference_name} {}",
+                run["decode_tok_s_runs"], reference["decode_tok_s_runs"]
+            )?;
+        }
+    }
+    if args.compare {
+        writeln!(out, "ratio > 1: quince is better · medians of {} runs", args.repeats)?;
+    }
+    Ok(())
+}
+
+/// Quince's half of `quince bench` at one prompt length: a full-length warm-up, then the
+/// medians of `--repeats` runs (and each run's decode speed).
+fn bench_quince(
+    model: &dyn Model,
+    args: &BenchArgs,
+    prompt_tokens: usize,
+) -> anyhow::Result<serde_json::Value> {
+    let text = synthetic_prompt(prompt_tokens, model.vocab_size() as u32);
+    let mut kv_bytes = 0usize;
     // One timed run. With --image, TTFT runs from reading the file to the first token:
     // decoding, preprocessing, the vision tower, the prefill.
-    let run_once = |gen_tokens: usize| -> anyhow::Result<engine::generate::GenerationStats> {
+    let mut run_once = |gen_tokens: usize| -> anyhow::Result<engine::generate::GenerationStats> {
         let start = std::time::Instant::now();
         let mut request = GenerateRequest::new(text.clone(), gen_tokens);
         if let Some(image) = &args.image {
-            let features =
-                encode_images(model.as_ref(), std::slice::from_ref(image), args.max_soft_tokens)?;
+            let features = encode_images(model, std::slice::from_ref(image), args.max_soft_tokens)?;
             let n = features[0].dim(0)? as usize;
             let (Some(image_id), Some((boi, eoi))) = (model.image_token_id(), model.boi_eoi())
             else {
@@ -462,7 +587,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         }
         let mut first = None;
         let mut caches = model.new_caches()?;
-        let mut stats = run_generation(model.as_ref(), &mut caches, &request, |_| {
+        let mut stats = run_generation(model, &mut caches, &request, |_| {
             first.get_or_insert_with(std::time::Instant::now);
             Flow::Continue
         })?
@@ -471,6 +596,12 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             stats.ttft_ms = first.duration_since(start).as_secs_f64() * 1e3;
             stats.prefill_tok_s =
                 request.prompt.len() as f64 / first.duration_since(start).as_secs_f64();
+        }
+        // What the last step read of the caches.
+        kv_bytes = 0;
+        for cache in &caches {
+            let stored = cache.stored()?.map_or(0, |(k, _)| k.dim(2).unwrap_or(0) as usize);
+            kv_bytes += cache.bytes_per_token() * stored;
         }
         Ok(stats)
     };
@@ -495,91 +626,42 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut ours = stats_json(s);
     ours["decode_tok_s_runs"] = json!(runs.iter().map(|r| r.decode_tok_s).collect::<Vec<_>>());
-    let mut out = std::io::stdout().lock();
-    if args.compare {
-        drop(model);
-        let python = args.python.clone().unwrap_or_else(crate::bench_ops::default_python);
-        let mut command = std::process::Command::new(&python);
-        match &args.image {
-            Some(image) => {
-                command
-                    .arg("tests/bench/mlx_vlm_image.py")
-                    .arg("--image")
-                    .arg(image)
-                    .args(["--max-soft-tokens", &args.max_soft_tokens.to_string()]);
-            }
-            None => {
-                command.arg(&args.reference_script);
-            }
+    ours["kv_bytes_per_token"] = json!(kv_bytes);
+    Ok(ours)
+}
+
+/// The reference's half of `quince bench --compare` at one prompt length, in its own process.
+fn bench_reference(args: &BenchArgs, prompt_tokens: usize) -> anyhow::Result<serde_json::Value> {
+    let python = args.python.clone().unwrap_or_else(crate::bench_ops::default_python);
+    let mut command = std::process::Command::new(&python);
+    match &args.image {
+        Some(image) => {
+            command
+                .arg("tests/bench/mlx_vlm_image.py")
+                .arg("--image")
+                .arg(image)
+                .args(["--max-soft-tokens", &args.max_soft_tokens.to_string()]);
         }
-        let output = command
-            .arg("--model")
-            .arg(&args.model)
-            .args(["--prompt-tokens", &args.prompt_tokens.to_string()])
-            .args(["--gen-tokens", &args.gen_tokens.to_string()])
-            .args(["--repeats", &args.repeats.to_string()])
-            .output()
-            .with_context(|| {
-                format!("running {} {}", python.display(), args.reference_script.display())
-            })?;
-        if !output.status.success() {
-            bail!("the reference benchmark failed: {}", String::from_utf8_lossy(&output.stderr));
+        None => {
+            command.arg(&args.reference_script);
         }
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let reference: serde_json::Value =
-            serde_json::from_str(stdout.lines().last().unwrap_or_default())
-                .context("parsing the reference benchmark's JSON")?;
-        if args.json {
-            writeln!(
-                out,
-                "{}",
-                json!({"backend": mlx::Backend::current().name(), "quince": ours, "reference": reference})
-            )?;
-            return Ok(());
-        }
-        writeln!(
-            out,
-            "{} · prompt {} tokens{} · {} generated · {}",
-            args.model.display(),
-            s.prompt_tokens,
-            if args.image.is_some() { " (image included)" } else { "" },
-            args.gen_tokens,
-            mlx::Backend::current().name()
-        )?;
-        let reference_name = if args.image.is_some() { "mlx-vlm" } else { "mlx-lm" };
-        writeln!(out, "{:<22} {:>14} {:>14} {:>10}", "", "quince", reference_name, "ratio")?;
-        for (key, label, higher_better) in [
-            ("ttft_ms", "TTFT (ms)", false),
-            ("prefill_tok_s", "prefill (tok/s)", true),
-            ("decode_tok_s", "decode (tok/s)", true),
-            ("peak_mem_bytes", "peak memory (MiB)", false),
-        ] {
-            let scale = if key == "peak_mem_bytes" { 1.0 / f64::from(1 << 20) } else { 1.0 };
-            let a = ours[key].as_f64().unwrap_or(f64::NAN) * scale;
-            let b = reference[key].as_f64().unwrap_or(f64::NAN) * scale;
-            let ratio = if higher_better { a / b } else { b / a };
-            writeln!(out, "{label:<22} {a:>14.2} {b:>14.2} {ratio:>9.2}x")?;
-        }
-        writeln!(out, "ratio > 1: quince is better · medians of {} runs", args.repeats)?;
-        writeln!(
-            out,
-            "decode tok/s per run: quince {} · {reference_name} {}",
-            ours["decode_tok_s_runs"], reference["decode_tok_s_runs"]
-        )?;
-        return Ok(());
     }
-    if args.json {
-        let mut line = ours;
-        line["backend"] = json!(mlx::Backend::current().name());
-        writeln!(out, "{line}")?;
-    } else {
-        writeln!(out, "prompt {} tokens · generated {}", s.prompt_tokens, s.generated_tokens)?;
-        writeln!(out, "TTFT           {:.1} ms", s.ttft_ms)?;
-        writeln!(out, "prefill        {:.1} tok/s", s.prefill_tok_s)?;
-        writeln!(out, "decode         {:.1} tok/s", s.decode_tok_s)?;
-        writeln!(out, "peak memory    {:.1} MiB", s.peak_mem_bytes as f64 / (1 << 20) as f64)?;
+    let output = command
+        .arg("--model")
+        .arg(&args.model)
+        .args(["--prompt-tokens", &prompt_tokens.to_string()])
+        .args(["--gen-tokens", &args.gen_tokens.to_string()])
+        .args(["--repeats", &args.repeats.to_string()])
+        .output()
+        .with_context(|| {
+            format!("running {} {}", python.display(), args.reference_script.display())
+        })?;
+    if !output.status.success() {
+        bail!("the reference benchmark failed: {}", String::from_utf8_lossy(&output.stderr));
     }
-    Ok(())
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .context("parsing the reference benchmark's JSON")
 }
 
 /// Arguments of `quince demo-model`.

@@ -193,6 +193,27 @@ fn logits_full_and_incremental_match_the_reference() {
     }
 }
 
+/// `--no-compile` switches the compiled decode step off; the tokens are the same either way.
+#[test]
+fn compiled_and_uncompiled_decode_give_the_same_tokens() {
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let out = quince()
+            .args(["generate", "--model"])
+            .arg(dense())
+            .args(["--tokens", "2,17,45", "--max-tokens", "24", "--ignore-eos", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    let (on, off) = (run(&[]), run(&["--no-compile"]));
+    assert_eq!(on["token_ids"], off["token_ids"]);
+    assert_eq!(on["compiled_decode_steps"], 23);
+    assert_eq!(off["compiled_decode_steps"], 0);
+}
+
 #[test]
 fn bench_json_has_the_speed_fields() {
     let out = quince()
@@ -207,6 +228,34 @@ fn bench_json_has_the_speed_fields() {
     assert_eq!(json["generated_tokens"], 8);
     assert!(json["decode_tok_s"].as_f64().unwrap() > 0.0);
     assert!(json["ttft_ms"].as_f64().unwrap() > 0.0);
+    assert_eq!(json["compiled_decode"], true);
+
+    // Two prompt lengths, each measured; the roofline from the bandwidth given.
+    let out = quince()
+        .args(["bench", "--model"])
+        .arg(dense())
+        .args(["--prompt-tokens", "16,48", "--gen-tokens", "4", "--repeats", "1"])
+        .args(["--bandwidth-gbs", "100", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let runs = json["by_prompt"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(
+        (runs[0]["prompt_tokens"].as_u64(), runs[1]["prompt_tokens"].as_u64()),
+        (Some(16), Some(48))
+    );
+    let weights = json["decode_weight_bytes"].as_f64().unwrap();
+    assert!(weights > 0.0);
+    for run in runs {
+        let kv = run["kv_bytes_per_token"].as_f64().unwrap();
+        assert!(kv > 0.0);
+        let expected = run["decode_tok_s"].as_f64().unwrap() * (weights + kv) / 100e9;
+        assert!((run["roofline"].as_f64().unwrap() - expected).abs() <= 1e-12 + expected * 1e-9);
+    }
+    assert!(runs[1]["kv_bytes_per_token"].as_f64() > runs[0]["kv_bytes_per_token"].as_f64());
 }
 
 #[test]

@@ -37,6 +37,20 @@ pub use plain::PlainCache;
 pub use rotating::RotatingCache;
 pub use rows::{CacheRows, Keep};
 
+/// The slot of a one-position-per-step storage at `offset` with `keys`/`values` holding at
+/// least `len` stored positions from slot 0: the stored prefix, for a
+/// [`DecodeFetch::Concat`] step.
+pub(crate) fn concat_slot(keys: &Array, values: &Array, len: usize) -> Result<DecodeSlot> {
+    let prefix = |a: &Array| -> Result<Array> {
+        let s = a.shape();
+        if s[2] as usize == len {
+            return Ok(a.clone());
+        }
+        Ok(a.slice(&[0, 0, 0, 0], &[s[0], s[1], len as i32, s[3]], &[1, 1, 1, 1])?)
+    };
+    Ok(DecodeSlot { fetch: DecodeFetch::Concat, inputs: vec![prefix(keys)?, prefix(values)?] })
+}
+
 use crate::error::{Error, Result};
 
 /// What a cache's attention read masks.
@@ -156,6 +170,37 @@ pub trait Cache: std::fmt::Debug {
     fn spec_round_rollback(&mut self, keep: usize) -> Result<()>;
 }
 
+/// How a cache takes part in a compiled one-token decode step (see [`crate::compiled`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeFetch {
+    /// The step reads `concat(stored, new)`, which becomes the stored positions after it:
+    /// inputs `[keys, values]` (the stored positions), outputs the same with the new one.
+    Concat,
+    /// The step writes the new position into the full ring at a dynamic slot and reads the
+    /// whole ring: inputs `[ring keys, ring values, slot]` (`slot` an int32 scalar), outputs
+    /// the updated ring. The cache hands its buffers over, so the write happens in place.
+    Ring,
+}
+
+impl DecodeFetch {
+    /// Number of closure inputs a slot of this kind feeds.
+    pub fn inputs(self) -> usize {
+        match self {
+            DecodeFetch::Concat => 2,
+            DecodeFetch::Ring => 3,
+        }
+    }
+}
+
+/// One cache's part of a compiled decode step: how it is read and written, and its inputs.
+#[derive(Debug)]
+pub struct DecodeSlot {
+    /// The kind of step.
+    pub fetch: DecodeFetch,
+    /// The closure inputs, [`DecodeFetch::inputs`] of them.
+    pub inputs: Vec<Array>,
+}
+
 /// A key/value cache that owns its attention reads. See the module docs for the invariants.
 pub trait AttentionCache: Cache {
     /// Decode: one new position (`L` = 1). The query sees every stored position up to and
@@ -175,6 +220,113 @@ pub trait AttentionCache: Cache {
         values: &Array,
         flags: &[bool],
     ) -> Result<AttentionRead>;
+
+    /// Compiled decode, before the step: this cache's slot for a one-token step, or `None`
+    /// when it cannot take part now (empty, inside a speculative round, or a storage without
+    /// a compiled step); the step then runs uncompiled. A [`DecodeFetch::Ring`] slot takes the
+    /// cache's buffers: the caller ends the step with [`AttentionCache::end_decode_step`] or
+    /// gives them back with [`AttentionCache::abort_decode_step`].
+    fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
+        Ok(None)
+    }
+
+    /// Compiled decode, after the step: adopts the step's outputs for this slot (the stored
+    /// positions or ring after appending one position) and advances the offset by one.
+    fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
+        let _ = (fetch, outputs);
+        Err(Error::InvalidRequest("this cache takes no part in compiled decode".into()))
+    }
+
+    /// Compiled decode, after a failed step: takes back what
+    /// [`AttentionCache::begin_decode_step`] handed over; the cache is as before.
+    fn abort_decode_step(&mut self, slot: DecodeSlot) {
+        let _ = slot;
+    }
+}
+
+/// The stand-in a cache's slot puts in the traced decode graph: the model appends to it as to
+/// the real cache, and what it would store becomes the step's outputs.
+#[derive(Debug)]
+pub(crate) struct TraceCache {
+    fetch: DecodeFetch,
+    inputs: Vec<Array>,
+    /// Set by the append: the slot's outputs.
+    pub(crate) outputs: Vec<Array>,
+}
+
+impl TraceCache {
+    pub(crate) fn new(fetch: DecodeFetch, inputs: Vec<Array>) -> TraceCache {
+        TraceCache { fetch, inputs, outputs: Vec::new() }
+    }
+}
+
+impl Cache for TraceCache {
+    fn offset(&self) -> usize {
+        0
+    }
+    fn signature(&self) -> String {
+        format!("trace({:?})", self.fetch)
+    }
+    fn bytes_per_token(&self) -> usize {
+        0
+    }
+    fn buffers(&self) -> Vec<Array> {
+        self.outputs.clone()
+    }
+    fn stored(&self) -> Result<Option<(Array, Array)>> {
+        Err(trace_only())
+    }
+    fn state(&self) -> Result<CacheState> {
+        Err(trace_only())
+    }
+    fn restore(&mut self, _: &CacheState) -> Result<()> {
+        Err(trace_only())
+    }
+    fn is_trimmable(&self) -> bool {
+        false
+    }
+    fn trim(&mut self, _: usize) -> Result<usize> {
+        Err(trace_only())
+    }
+    fn spec_round_begin(&mut self) -> Result<()> {
+        Err(trace_only())
+    }
+    fn spec_round_commit(&mut self) -> Result<()> {
+        Err(trace_only())
+    }
+    fn spec_round_rollback(&mut self, _: usize) -> Result<()> {
+        Err(trace_only())
+    }
+}
+
+impl AttentionCache for TraceCache {
+    fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        check_append(keys, values, true)?;
+        let (k, v) = match self.fetch {
+            DecodeFetch::Concat => (
+                mlx::ops::concatenate(&[&self.inputs[0], keys], 2)?,
+                mlx::ops::concatenate(&[&self.inputs[1], values], 2)?,
+            ),
+            DecodeFetch::Ring => (
+                self.inputs[0].slice_update_dynamic(keys, &self.inputs[2], &[2])?,
+                self.inputs[1].slice_update_dynamic(values, &self.inputs[2], &[2])?,
+            ),
+        };
+        self.outputs = vec![k.clone(), v.clone()];
+        // Every stored position is visible to the new one: a ring only takes part once full,
+        // when it holds exactly the window.
+        Ok(AttentionRead::new(k, v, ReadMask::None))
+    }
+    fn append_window(&mut self, _: &Array, _: &Array) -> Result<AttentionRead> {
+        Err(trace_only())
+    }
+    fn append_bidirectional(&mut self, _: &Array, _: &Array, _: &[bool]) -> Result<AttentionRead> {
+        Err(trace_only())
+    }
+}
+
+fn trace_only() -> Error {
+    Error::InvalidRequest("a traced decode step only appends one decode position".into())
 }
 
 /// The error for a round call out of order.

@@ -278,3 +278,14 @@ pub enum Matrix {
     /// Packed with per-group scales and biases.
     Quantized(QuantizedMatrix),
 }
+
+impl Matrix {
+    /// Bytes the matrix occupies (packed weights, scales and biases for a quantized one): what
+    /// a matrix-vector product reads.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Matrix::Dense(w) => w.nbytes(),
+            Matrix::Quantized(q) => q.weight.nbytes() + q.scales.nbytes() + q.biases.nbytes(),
+        }
+    }
+}

@@ -333,7 +333,7 @@ pub(crate) fn decode_step(
     token: &Array,
     history: &[u32],
 ) -> Result<Array> {
-    let logits = model.forward(&token.reshape(&[1, 1])?, caches, Phase::Decode)?;
+    let logits = model.forward_decode(&token.reshape(&[1, 1])?, caches)?;
     let v = logits.dim(-1)?;
     sampler.sample(&logits.reshape(&[1, v])?, history)
 }

@@ -28,6 +28,7 @@
 
 pub mod cache;
 pub mod checkpoint;
+pub mod compiled;
 pub mod demo;
 mod error;
 pub mod generate;

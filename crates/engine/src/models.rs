@@ -44,6 +44,21 @@ pub trait Model: std::fmt::Debug {
     ) -> Result<Array> {
         self.forward_rows(tokens, caches, phase, Rows::All)
     }
+    /// One decode step: logits `[1, 1, vocab]` for `token` `[1, 1]` appended to `caches`. A
+    /// model with a compiled step ([`crate::compiled`]) runs it here when it can; the result is
+    /// the same as [`Model::forward`] with [`Phase::Decode`].
+    fn forward_decode(
+        &self,
+        token: &Array,
+        caches: &mut [Box<dyn AttentionCache>],
+    ) -> Result<Array> {
+        self.forward(token, caches, Phase::Decode)
+    }
+    /// The model's compiled decode graphs (to switch them off, or read their counters), when
+    /// it has a compiled step.
+    fn decode_graphs(&self) -> Option<&crate::compiled::DecodeGraphs> {
+        None
+    }
     /// [`Model::forward`] returning only `rows` of logits.
     fn forward_rows(
         &self,
@@ -77,6 +92,12 @@ pub trait Model: std::fmt::Debug {
     /// Begin- and end-of-image token ids.
     fn boi_eoi(&self) -> Option<(u32, u32)> {
         None
+    }
+    /// Weight bytes one decode step reads (every matrix a token passes through and the output
+    /// head; embedding tables give one row and are left out), for a bandwidth roofline. 0 when
+    /// the model does not say.
+    fn decode_weight_bytes(&self) -> usize {
+        0
     }
     /// Vocabulary size of the output head.
     fn vocab_size(&self) -> usize;

@@ -23,6 +23,11 @@ impl Linear {
         Linear { weight, transposed }
     }
 
+    /// Bytes of the weight, read once per product.
+    pub fn nbytes(&self) -> usize {
+        self.weight.nbytes()
+    }
+
     /// Applies the map to the last axis of `x`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(match (&self.weight, &self.transposed) {
@@ -43,6 +48,11 @@ impl Embedding {
     /// Wraps a `[vocab, dim]` table.
     pub fn new(table: Matrix) -> Embedding {
         Embedding { table }
+    }
+
+    /// Bytes of the whole table (what it costs as an output head).
+    pub fn nbytes(&self) -> usize {
+        self.table.nbytes()
     }
 
     /// Rows of the table for `ids` (any shape of integer ids) → `[..., dim]`.

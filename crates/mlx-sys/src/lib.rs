@@ -465,3 +465,9 @@ fn call_rust_closure(
 // count is atomic; moving a handle to another thread is sound. Concurrent *use* of one graph
 // from several threads is not, which is why the safe wrapper is `Send` but not `Sync`.
 unsafe impl Send for ffi::Array {}
+
+// SAFETY: `CompiledFn` owns a `std::function` whose state (the traced graph in MLX's compiler
+// cache) is arrays and shared pointers; moving it to another thread is as sound as moving an
+// array handle. Calling it concurrently with other MLX work is not, which is why the safe
+// wrapper is `Send` but not `Sync` (and the engine runs MLX on one thread).
+unsafe impl Send for ffi::CompiledFn {}

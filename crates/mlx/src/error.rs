@@ -55,6 +55,13 @@ impl Error {
         }
     }
 
+    /// An error with this message, for a compiled closure that fails for reasons of its own
+    /// (it comes back from [`crate::Compiled::call`] as [`Error::Mlx`] carrying the message).
+    #[track_caller]
+    pub fn from_message(message: impl Into<String>) -> Self {
+        Error::invalid(message)
+    }
+
     #[track_caller]
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Error::InvalidArgument { message: message.into(), location: Location::caller() }

@@ -81,6 +81,73 @@ pub fn rope(
     check(result).map(Array::wrap)
 }
 
+/// [`rope`] composed from plain ops with the arithmetic of MLX's own fallback (what the fused
+/// call runs on the CPU), gathering the rotated halves instead of slicing them: MLX's `Slice`
+/// cannot infer output shapes, so a graph that holds one cannot be compiled shapeless, and on
+/// the CPU the fused call *is* those slices. A compiled decode step on the CPU uses this.
+#[track_caller]
+pub fn rope_by_ops(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    frequencies: RopeFrequencies<'_>,
+    scale: f32,
+    offset: RopeOffset<'_>,
+) -> Result<Array> {
+    use crate::{Dtype, ops};
+    let shape = x.shape();
+    let width = *shape.last().ok_or_else(|| crate::Error::invalid("rope of a scalar"))?;
+    if shape.len() < 2 || dims <= 0 || dims > width || dims % 2 != 0 {
+        return Err(crate::Error::invalid(format!(
+            "rope of {dims} dimensions over an array of shape {shape:?}"
+        )));
+    }
+    let rows = shape[shape.len() - 2];
+    let half = dims / 2;
+    let offset = match offset {
+        RopeOffset::Fixed(o) => Array::scalar(o)?,
+        RopeOffset::Array(o) if o.size() > 1 => o.expand_dims(&[-1, -2])?,
+        RopeOffset::Array(o) => o.clone(),
+    };
+    let positions = ops::arange(0.0, f64::from(rows), 1.0, Dtype::Float32)?
+        .add(&offset)?
+        .multiply(&Array::scalar_as(f64::from(scale), Dtype::Float32)?)?;
+    let inv_freqs = match frequencies {
+        RopeFrequencies::Custom(f) => f.reciprocal()?,
+        RopeFrequencies::Base(base) => ops::arange(0.0, -f64::from(half), -1.0, Dtype::Float32)?
+            .multiply(&Array::scalar_as(f64::from(base.ln() / half as f32), Dtype::Float32)?)?
+            .exp()?,
+    };
+    let theta = positions.expand_dims(&[-1])?.multiply(&inv_freqs)?;
+    let (cos, sin) = (theta.cos()?.astype(x.dtype())?, theta.sin()?.astype(x.dtype())?);
+    let axis = shape.len() as i32 - 1;
+    let features = |from: i32, to: i32, step: i32| -> Result<Array> {
+        let idx: Vec<i32> = (from..to).step_by(step as usize).collect();
+        x.take(&Array::from_slice(&idx, &[idx.len() as i32])?, axis)
+    };
+    let (x1, x2) = if traditional {
+        (features(0, dims, 2)?, features(1, dims, 2)?)
+    } else {
+        (features(0, half, 1)?, features(half, dims, 1)?)
+    };
+    let out1 = x1.multiply(&cos)?.subtract(&x2.multiply(&sin)?)?;
+    let out2 = x1.multiply(&sin)?.add(&x2.multiply(&cos)?)?;
+    let mut out = if traditional {
+        let mut rotated = shape.clone();
+        if let Some(last) = rotated.last_mut() {
+            *last = dims;
+        }
+        ops::concatenate(&[&out1.expand_dims(&[-1])?, &out2.expand_dims(&[-1])?], -1)?
+            .reshape(&rotated)?
+    } else {
+        ops::concatenate(&[&out1, &out2], -1)?
+    };
+    if dims < width {
+        out = ops::concatenate(&[&out, &features(dims, width, 1)?], -1)?;
+    }
+    Ok(out)
+}
+
 /// The mask an attention call applies.
 #[derive(Debug, Clone, Copy)]
 pub enum AttentionMask<'a> {

@@ -3,8 +3,8 @@
 use mlx::{Array, ops};
 
 use super::{
-    AttentionCache, AttentionRead, Cache, CacheState, ReadMask, check_append, check_signature,
-    overlay_mask, state_of, state_tensor,
+    AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, DecodeSlot, ReadMask,
+    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor,
 };
 use crate::error::{Error, Result};
 
@@ -203,5 +203,27 @@ impl AttentionCache for PlainCache {
         let mask = overlay_mask(self.offset, flags, None)?;
         let (k, v) = self.write(keys, values, length)?;
         Ok(AttentionRead::new(k, v, ReadMask::Array(mask)))
+    }
+
+    fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) if self.round.is_none() => Ok(Some(concat_slot(k, v, self.offset)?)),
+            _ => Ok(None),
+        }
+    }
+
+    fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
+        let [keys, values]: [Array; 2] = outputs.try_into().map_err(|o: Vec<Array>| {
+            Error::InvalidRequest(format!("a decode step gives 2 outputs, not {}", o.len()))
+        })?;
+        if fetch != DecodeFetch::Concat {
+            return Err(Error::InvalidRequest("a plain cache is read by concatenation".into()));
+        }
+        // The step's read is the stored positions: it becomes the buffer (no spare capacity;
+        // the next uncompiled write grows it).
+        self.keys = Some(keys);
+        self.values = Some(values);
+        self.offset += 1;
+        Ok(())
     }
 }

@@ -9,8 +9,8 @@
 use mlx::{Array, Dtype, ops};
 
 use super::{
-    AttentionCache, AttentionRead, Cache, CacheState, ReadMask, check_append, check_signature,
-    overlay_mask, state_of, state_tensor,
+    AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, DecodeSlot, ReadMask,
+    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor,
 };
 use crate::error::{Error, Result};
 
@@ -109,6 +109,15 @@ impl RotatingCache {
         Ok(ops::concatenate(&[entries, &zeros], 2)?)
     }
 
+    /// `buffer` with all `window` slots: a compiled decode step before the ring fills stores
+    /// exactly the positions it holds, which a write into the ring pads out first.
+    fn full_size(&self, buffer: &Array) -> Result<Array> {
+        if buffer.dim(2)? as usize == self.window {
+            return Ok(buffer.clone());
+        }
+        self.buffer_from(buffer)
+    }
+
     /// Stores `keys`/`values` (`[B, H, L, D]`) in the slots `L` decode steps would write: the
     /// ring keeps the last `window` positions, position `p` in slot `(cursor + p − offset) mod
     /// window`. What a speculative round's appends store, so that the ring after a commit or
@@ -118,6 +127,7 @@ impl RotatingCache {
         if let (Some(kbuf), Some(vbuf)) = (&self.keys, &self.values)
             && length < self.window
         {
+            let (kbuf, vbuf) = (&self.full_size(kbuf)?, &self.full_size(vbuf)?);
             // Into the slots from the cursor on, wrapping to slot 0: what `length` decode
             // steps write, in one or two updates.
             let first = length.min(self.window - self.cursor);
@@ -360,7 +370,7 @@ impl AttentionCache for RotatingCache {
     fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         check_append(keys, values, true)?;
         let (kbuf, vbuf) = match (&self.keys, &self.values) {
-            (Some(k), Some(v)) => (k.clone(), v.clone()),
+            (Some(k), Some(v)) => (self.full_size(k)?, self.full_size(v)?),
             _ => (self.empty_like(keys)?, self.empty_like(values)?),
         };
         let at = self.cursor as i32;
@@ -407,6 +417,46 @@ impl AttentionCache for RotatingCache {
         let length = check_append(keys, values, false)?;
         super::check_flags(flags, length)?;
         self.append_span(keys, values, Some(flags))
+    }
+
+    fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
+        if self.round.is_some() {
+            return Ok(None);
+        }
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        if self.len < self.window {
+            // Filling: positions sit in order at 0..len, the new one goes after them.
+            return Ok(Some(concat_slot(k, v, self.len)?));
+        }
+        let slot = Array::from_slice(&[self.cursor as i32], &[1])?;
+        let (Some(k), Some(v)) = (self.keys.take(), self.values.take()) else {
+            return Ok(None);
+        };
+        Ok(Some(DecodeSlot { fetch: DecodeFetch::Ring, inputs: vec![k, v, slot] }))
+    }
+
+    fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
+        let [keys, values]: [Array; 2] = outputs.try_into().map_err(|o: Vec<Array>| {
+            Error::InvalidRequest(format!("a decode step gives a ring 2 outputs, not {}", o.len()))
+        })?;
+        self.keys = Some(keys);
+        self.values = Some(values);
+        if fetch == DecodeFetch::Concat {
+            self.len += 1;
+        }
+        self.cursor = (self.cursor + 1) % self.window;
+        self.offset += 1;
+        Ok(())
+    }
+
+    fn abort_decode_step(&mut self, slot: DecodeSlot) {
+        if slot.fetch == DecodeFetch::Ring {
+            let mut inputs = slot.inputs.into_iter();
+            self.keys = inputs.next();
+            self.values = inputs.next();
+        }
     }
 }
 

@@ -10,13 +10,16 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use mlx::fast::{RopeFrequencies, RopeOffset, rope};
+use mlx::fast::{RopeFrequencies, RopeOffset, rope, rope_by_ops};
 use mlx::{Array, ops};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::cache::{AttentionCache, AttentionRead, PlainCache, RotatingCache};
+use crate::cache::{
+    AttentionCache, AttentionRead, DecodeFetch, PlainCache, RotatingCache, TraceCache,
+};
 use crate::checkpoint::{ModelDir, Weights};
+use crate::compiled::DecodeGraphs;
 use crate::error::{Error, Result};
 use crate::models::gemma4_vision::{Gemma4Vision, VisionConfig};
 use crate::models::{Model, Phase, Rows};
@@ -226,16 +229,47 @@ impl Rope {
         Ok(Rope { dims, traditional, base: params.rope_theta as f32, freqs })
     }
 
-    fn apply(&self, x: &Array, offset: i32) -> Result<Array> {
+    /// Rotates `x` for positions starting `delta` after `position`.
+    fn apply(&self, x: &Array, position: &Position, delta: i32) -> Result<Array> {
         let frequencies = match &self.freqs {
             Some(f) => RopeFrequencies::Custom(f),
             None => RopeFrequencies::Base(self.base),
         };
-        Ok(rope(x, self.dims, self.traditional, frequencies, 1.0, RopeOffset::Fixed(offset))?)
+        let offset = match position {
+            Position::At(p) => RopeOffset::Fixed(p + delta),
+            Position::Traced(p) if delta == 0 => RopeOffset::Array(p),
+            Position::Traced(_) => {
+                return Err(Error::InvalidRequest(
+                    "a traced decode step has one position per row".into(),
+                ));
+            }
+        };
+        if matches!(position, Position::Traced(_)) && mlx::Backend::current() == mlx::Backend::Cpu {
+            // On the CPU the fused call is a composition with slices, which a shapeless
+            // compiled step cannot replay; this one gathers instead, bit for bit the same.
+            return Ok(rope_by_ops(x, self.dims, self.traditional, frequencies, 1.0, offset)?);
+        }
+        Ok(rope(x, self.dims, self.traditional, frequencies, 1.0, offset)?)
     }
 }
 
-#[derive(Debug)]
+/// Where a forward pass's new positions start.
+#[derive(Debug, Clone)]
+pub(crate) enum Position {
+    /// At this absolute position.
+    At(i32),
+    /// At the int32 scalar a compiled decode step takes as an input.
+    Traced(Array),
+}
+
+impl Position {
+    /// Where the positions appended to `caches` start: their offset.
+    pub(crate) fn of(caches: &[Box<dyn AttentionCache>]) -> Position {
+        Position::At(caches.first().map_or(0, |c| c.offset()) as i32)
+    }
+}
+
+#[derive(Debug, Clone)]
 pub(crate) struct Attention {
     q_proj: Linear,
     /// `None` on KV-shared layers.
@@ -247,7 +281,7 @@ pub(crate) struct Attention {
     pub(crate) sliding: bool,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct KeyValue {
     k_proj: Linear,
     /// `None` with `attention_k_eq_v` (values are the raw `k_proj` output).
@@ -257,21 +291,21 @@ struct KeyValue {
     kv_heads: i32,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct PerLayerInput {
     gate: Linear,
     projection: Linear,
     post_norm: RmsNorm,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct DecoderLayer {
     pub(crate) attention: Attention,
     mlp: Mlp,
@@ -283,7 +317,7 @@ pub(crate) struct DecoderLayer {
     layer_scalar: Array,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Ple {
     embed: Embedding,
     model_projection: Linear,
@@ -317,9 +351,11 @@ pub struct Gemma4Text {
     /// The final-normed hidden state of the last forward pass's rows (a handle into its graph:
     /// no extra work), for drafters that read it.
     last_hidden: std::cell::RefCell<Option<Array>>,
+    /// The compiled decode steps traced so far.
+    decode_graphs: DecodeGraphs,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Constants {
     embed_scale: Array,
     ple_token_scale: Array,
@@ -461,6 +497,7 @@ impl Gemma4Text {
             boi_eoi,
             bidirectional_vision,
             last_hidden: std::cell::RefCell::new(None),
+            decode_graphs: DecodeGraphs::default(),
             activations: Activations::new()?,
             constants,
             config,
@@ -479,6 +516,73 @@ impl Gemma4Text {
     /// The parsed text config.
     pub fn config(&self) -> &Gemma4TextConfig {
         &self.config
+    }
+
+    /// What a compiled decode graph owns: the text model's weights (shared handles, nothing is
+    /// copied) without its vision tower, graphs or state.
+    fn tracing_twin(&self) -> Result<Gemma4Text> {
+        Ok(Gemma4Text {
+            config: self.config.clone(),
+            embed_tokens: self.embed_tokens.clone(),
+            ple: self.ple.clone(),
+            layers: self.layers.clone(),
+            norm: self.norm.clone(),
+            lm_head: self.lm_head.clone(),
+            kv_source: self.kv_source.clone(),
+            first_shared: self.first_shared,
+            rope_sliding: self.rope_sliding.clone(),
+            rope_full: self.rope_full.clone(),
+            activations: Activations::new()?,
+            constants: self.constants.clone(),
+            vision: None,
+            image_token_id: None,
+            boi_eoi: None,
+            bidirectional_vision: false,
+            last_hidden: std::cell::RefCell::new(None),
+            decode_graphs: DecodeGraphs::new(false),
+        })
+    }
+
+    /// The compiled decode step for caches whose slots are `fetches` (see [`crate::compiled`]):
+    /// inputs `[token [1, 1], position, slot inputs…]`, outputs `[logits, last hidden, two per
+    /// slot…]`.
+    fn decode_graph(&self, fetches: Vec<DecodeFetch>) -> Result<mlx::Compiled> {
+        let twin = self.tracing_twin()?;
+        Ok(mlx::compile(move |inputs: &[Array]| twin.traced_decode(inputs, &fetches), true)?)
+    }
+
+    /// The body of a compiled decode step, run by MLX while it traces.
+    fn traced_decode(&self, inputs: &[Array], fetches: &[DecodeFetch]) -> mlx::Result<Vec<Array>> {
+        let traced = || -> Result<Vec<Array>> {
+            let wanted = 2 + fetches.iter().map(|f| f.inputs()).sum::<usize>();
+            if inputs.len() != wanted {
+                return Err(Error::InvalidRequest(format!(
+                    "a decode step of {} slots takes {wanted} inputs, got {}",
+                    fetches.len(),
+                    inputs.len()
+                )));
+            }
+            let mut next = 2;
+            let mut traces: Vec<Box<dyn AttentionCache>> = Vec::with_capacity(fetches.len());
+            for &fetch in fetches {
+                let slot = inputs[next..next + fetch.inputs()].to_vec();
+                next += fetch.inputs();
+                traces.push(Box::new(TraceCache::new(fetch, slot)));
+            }
+            let token = &inputs[0];
+            let h = self.embed_tokens.forward(token)?.multiply(&self.constants.embed_scale)?;
+            let position = Position::Traced(inputs[1].clone());
+            let logits = self.run(token, h, &mut traces, &Append::Decode, Rows::All, position)?;
+            let hidden = self.last_hidden.borrow_mut().take().ok_or_else(|| {
+                Error::InvalidRequest("the decode step left no hidden state".into())
+            })?;
+            let mut outputs = vec![logits, hidden];
+            for trace in &traces {
+                outputs.extend(trace.buffers());
+            }
+            Ok(outputs)
+        };
+        traced().map_err(|e| mlx::Error::from_message(e.to_string()))
     }
 
     /// Per-layer inputs `[B, T, layers, width]` for token ids and the scaled embeddings.
@@ -596,7 +700,7 @@ impl Attention {
         x: &Array,
         query_rows: i32,
         rope: &Rope,
-        offset: i32,
+        position: &Position,
         cache: Option<&mut Box<dyn AttentionCache>>,
         shared: Option<&AttentionRead>,
         append: &Append<'_>,
@@ -610,7 +714,7 @@ impl Attention {
         };
         let q = self.q_proj.forward(&xq)?.reshape(&[b, query_rows, self.heads, self.head_dim])?;
         let q = self.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?; // [B, H, Lq, D]
-        let q = rope.apply(&q, offset + l - query_rows)?;
+        let q = rope.apply(&q, position, l - query_rows)?;
         let (read, own) = match (&self.kv, shared) {
             (Some(kv), _) => {
                 let cache = cache.ok_or_else(|| {
@@ -624,7 +728,7 @@ impl Attention {
                     None => raw_k.clone(), // attention_k_eq_v: values from k_proj before k_norm
                 };
                 let k = kv.k_norm.forward(&raw_k)?.transpose(&[0, 2, 1, 3])?;
-                let k = rope.apply(&k, offset)?;
+                let k = rope.apply(&k, position, 0)?;
                 let v = kv.v_norm.forward(&raw_v)?.transpose(&[0, 2, 1, 3])?;
                 let read = match append {
                     Append::Window => cache.append_window(&k, &v)?,
@@ -685,6 +789,7 @@ impl Gemma4Text {
         caches: &mut [Box<dyn AttentionCache>],
         append: &Append<'_>,
         rows: Rows,
+        position: Position,
     ) -> Result<Array> {
         if caches.len() != self.first_shared {
             return Err(Error::InvalidRequest(format!(
@@ -693,13 +798,12 @@ impl Gemma4Text {
                 caches.len()
             )));
         }
-        let offset = caches.first().map_or(0, |c| c.offset()) as i32;
         let per_layer = match &self.ple {
             Some(ple) => Some(self.per_layer_inputs(ple, ple_ids, &h)?),
             None => None,
         };
         let mut per_layer = per_layer;
-        let mut offset = offset;
+        let mut position = position;
         let length = h.dim(1)?;
         // With only the last row wanted, the last layer that writes a cache takes keys and
         // values from every row but queries from the last one; from there on only that row
@@ -722,22 +826,18 @@ impl Gemma4Text {
             let normed = layer.input_layernorm.forward(&h)?;
             let (attn, own) = layer
                 .attention
-                .forward(&normed, query_rows, rope, offset, cache, shared, append)?;
+                .forward(&normed, query_rows, rope, &position, cache, shared, append)?;
             reads.push(own);
             if trim_at == Some(i) {
                 (h, per_layer) = last_rows(&h, per_layer.as_ref())?;
-                offset += length - 1;
-            }
-            let slice = match &per_layer {
-                Some(inputs) => {
-                    let s = inputs.shape();
-                    let li = i as i32;
-                    Some(
-                        inputs
-                            .slice(&[0, 0, li, 0], &[s[0], s[1], li + 1, s[3]], &[1, 1, 1, 1])?
-                            .squeeze(&[2])?,
-                    )
+                if let Position::At(p) = &mut position {
+                    *p += length - 1;
                 }
+            }
+            // A gather, not a slice: a shapeless compiled step can replay it (MLX's `Slice`
+            // cannot infer its output shape when the inputs change).
+            let slice = match &per_layer {
+                Some(inputs) => Some(inputs.take(&Array::scalar(i as i32)?, 2)?),
                 None => None,
             };
             h = layer.finish(h, &attn, slice.as_ref(), &self.activations)?;
@@ -781,7 +881,31 @@ impl Model for Gemma4Text {
             Phase::Window => Append::Window,
             Phase::Decode => Append::Decode,
         };
-        self.run(tokens, h, caches, &append, rows)
+        let position = Position::of(caches);
+        self.run(tokens, h, caches, &append, rows, position)
+    }
+
+    fn forward_decode(
+        &self,
+        token: &Array,
+        caches: &mut [Box<dyn AttentionCache>],
+    ) -> Result<Array> {
+        let position = caches.first().map_or(0, |c| c.offset());
+        let compiled = self
+            .decode_graphs
+            .step(caches, token, position, 2, |fetches| self.decode_graph(fetches))?;
+        match compiled {
+            Some(mut outputs) => {
+                let hidden = outputs.pop();
+                *self.last_hidden.borrow_mut() = hidden;
+                outputs.pop().ok_or_else(|| Error::InvalidRequest("no logits".into()))
+            }
+            None => self.forward(token, caches, Phase::Decode),
+        }
+    }
+
+    fn decode_graphs(&self) -> Option<&DecodeGraphs> {
+        Some(&self.decode_graphs)
     }
 
     fn forward_multimodal(
@@ -835,7 +959,8 @@ impl Model for Gemma4Text {
         } else {
             Append::Window
         };
-        self.run(&ple_ids, h, caches, &append, rows)
+        let position = Position::of(caches);
+        self.run(&ple_ids, h, caches, &append, rows, position)
     }
 
     fn encode_image(&self, pixels: &Array) -> Result<Array> {
@@ -851,6 +976,27 @@ impl Model for Gemma4Text {
 
     fn boi_eoi(&self) -> Option<(u32, u32)> {
         self.boi_eoi
+    }
+
+    fn decode_weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let a = &l.attention;
+                let kv = a.kv.as_ref().map_or(0, |kv| {
+                    kv.k_proj.nbytes() + kv.v_proj.as_ref().map_or(0, Linear::nbytes)
+                });
+                let mlp =
+                    l.mlp.gate_proj.nbytes() + l.mlp.up_proj.nbytes() + l.mlp.down_proj.nbytes();
+                let ple =
+                    l.per_layer.as_ref().map_or(0, |p| p.gate.nbytes() + p.projection.nbytes());
+                a.q_proj.nbytes() + kv + a.o_proj.nbytes() + mlp + ple
+            })
+            .sum();
+        let ple = self.ple.as_ref().map_or(0, |p| p.model_projection.nbytes());
+        let head = self.lm_head.as_ref().map_or_else(|| self.embed_tokens.nbytes(), Linear::nbytes);
+        layers + ple + head
     }
 
     fn vocab_size(&self) -> usize {

@@ -23,7 +23,7 @@ use crate::cache::{AttentionRead, ReadMask};
 use crate::checkpoint::ModelDir;
 use crate::error::{Error, Result};
 use crate::models::Model;
-use crate::models::gemma4::{Append, DecoderLayer, Gemma4TextConfig, Rope, load_layer};
+use crate::models::gemma4::{Append, DecoderLayer, Gemma4TextConfig, Position, Rope, load_layer};
 use crate::nn::{Activations, Embedding, Linear, RmsNorm};
 
 /// The top level of a `gemma4_assistant` config.
@@ -284,7 +284,7 @@ impl DraftMethod for Gemma4Assistant {
             return Ok(Vec::new());
         }
         // The query stays at the last position the target's caches hold (mlx-vlm's choice).
-        let position = held as i32 - 1;
+        let position = Position::At(held as i32 - 1);
         let donors = rows.donor_kv(target.caches)?;
         let read = |kv: &Option<super::KeyValues>| {
             kv.as_ref().map(|(k, v)| AttentionRead::new(k.clone(), v.clone(), ReadMask::None))
@@ -313,7 +313,7 @@ impl DraftMethod for Gemma4Assistant {
                     &normed,
                     1,
                     rope,
-                    position,
+                    &position,
                     None,
                     Some(kv),
                     &Append::Decode,

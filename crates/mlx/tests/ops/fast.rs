@@ -88,3 +88,37 @@ fn attention_in_bf16_stays_close() {
     assert_eq!(out.dtype(), Dtype::Bfloat16);
     assert_close(&out, &fx(&format!("{tag}.causal")), 0.05);
 }
+
+/// The ops-composed rope is MLX's CPU fallback operation for operation: bit-identical to the
+/// fused call on the CPU for both pair layouts, partial rotation, custom frequencies, a scale,
+/// fixed and array offsets, in f32 and bf16.
+#[test]
+fn rope_by_ops_is_bit_identical_to_the_fused_call_on_the_cpu() {
+    use mlx::fast::rope_by_ops;
+    let x = fx("rope.x");
+    let freqs = fx("rope.freqs");
+    let seven = mlx::Array::scalar(7i32).unwrap();
+    for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        let x = x.astype(dtype).unwrap();
+        for traditional in [false, true] {
+            for (dims, frequencies, scale, offset) in [
+                (16, RopeFrequencies::Base(10000.0), 1.0, RopeOffset::Fixed(3)),
+                (8, RopeFrequencies::Base(500.0), 0.5, RopeOffset::Fixed(0)),
+                (16, RopeFrequencies::Custom(&freqs), 1.0, RopeOffset::Array(&seven)),
+                (16, RopeFrequencies::Base(1e6), 1.0, RopeOffset::Array(&seven)),
+            ] {
+                let fused = rope(&x, dims, traditional, frequencies, scale, offset).unwrap();
+                let ops = rope_by_ops(&x, dims, traditional, frequencies, scale, offset).unwrap();
+                let context = format!(
+                    "{dtype:?} traditional={traditional} dims={dims} {frequencies:?} {offset:?}"
+                );
+                assert_eq!(ops.shape(), fused.shape(), "{context}");
+                assert_eq!(ops.dtype(), fused.dtype(), "{context}");
+                assert!(
+                    ops.array_equal(&fused, false).unwrap().item::<bool>().unwrap(),
+                    "{context}: the ops rope differs from the fused call"
+                );
+            }
+        }
+    }
+}
