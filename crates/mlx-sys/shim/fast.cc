@@ -41,4 +41,64 @@ std::unique_ptr<Array> scaled_dot_product_attention(const Array& queries, const 
       queries, keys, values, scale, std::string(mask_mode), opt(mask), opt(sinks)));
 }
 
+namespace {
+std::vector<std::string> strings(rust::Slice<const rust::String> names) {
+  std::vector<std::string> out;
+  out.reserve(names.size());
+  for (const auto& n : names) {
+    out.emplace_back(std::string(n));
+  }
+  return out;
+}
+}  // namespace
+
+std::unique_ptr<CustomKernelFn> cuda_kernel(rust::Str name,
+                                            rust::Slice<const rust::String> input_names,
+                                            rust::Slice<const rust::String> output_names,
+                                            rust::Str source) {
+  return std::make_unique<CustomKernelFn>(CustomKernelFn{mx::fast::cuda_kernel(
+      std::string(name), strings(input_names), strings(output_names), std::string(source))});
+}
+
+std::unique_ptr<std::vector<Array>> custom_kernel_call(
+    const CustomKernelFn& kernel, const std::vector<Array>& inputs,
+    rust::Slice<const int32_t> output_shapes, rust::Slice<const int32_t> output_ranks,
+    rust::Slice<const uint8_t> output_dtypes, rust::Slice<const int32_t> grid,
+    rust::Slice<const int32_t> threadgroup, rust::Slice<const rust::String> template_names,
+    rust::Slice<const uint8_t> template_kinds, rust::Slice<const int32_t> template_values) {
+  if (grid.size() != 3 || threadgroup.size() != 3 || output_ranks.size() != output_dtypes.size() ||
+      template_names.size() != template_kinds.size() ||
+      template_names.size() != template_values.size()) {
+    throw std::invalid_argument("[custom_kernel_call] mismatched argument lengths");
+  }
+  std::vector<mx::Shape> shapes;
+  size_t at = 0;
+  for (int32_t rank : output_ranks) {
+    if (rank < 0 || at + static_cast<size_t>(rank) > output_shapes.size()) {
+      throw std::invalid_argument("[custom_kernel_call] output shapes do not match their ranks");
+    }
+    shapes.emplace_back(output_shapes.begin() + at, output_shapes.begin() + at + rank);
+    at += static_cast<size_t>(rank);
+  }
+  std::vector<mx::Dtype> dtypes;
+  for (uint8_t d : output_dtypes) {
+    dtypes.push_back(to_mlx(static_cast<Dtype>(d)));
+  }
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> args;
+  for (size_t i = 0; i < template_names.size(); ++i) {
+    std::string name(template_names[i]);
+    switch (template_kinds[i]) {
+      case 0: args.emplace_back(name, static_cast<int>(template_values[i])); break;
+      case 1: args.emplace_back(name, template_values[i] != 0); break;
+      case 2:
+        args.emplace_back(name, to_mlx(static_cast<Dtype>(template_values[i])));
+        break;
+      default: throw std::invalid_argument("[custom_kernel_call] unknown template argument kind");
+    }
+  }
+  return boxed_vec(kernel.fn(inputs, shapes, dtypes, {grid[0], grid[1], grid[2]},
+                             {threadgroup[0], threadgroup[1], threadgroup[2]}, args, std::nullopt,
+                             false, {}));
+}
+
 }  // namespace quince

@@ -22,6 +22,11 @@ struct CompiledFn {
   std::function<std::vector<Array>(const std::vector<Array>&)> fn;
 };
 
+// A custom GPU kernel (`mlx::core::fast::cuda_kernel`), also a std::function.
+struct CustomKernelFn {
+  ::mlx::core::fast::CustomKernelFunction fn;
+};
+
 struct SafetensorsData {
   std::unordered_map<std::string, Array> arrays;
   std::unordered_map<std::string, std::string> metadata;
@@ -160,6 +165,17 @@ std::unique_ptr<Array> scaled_dot_product_attention(const Array& queries, const 
                                                     const Array& values, float scale,
                                                     rust::Str mask_mode, const Array* mask,
                                                     const Array* sinks);
+
+std::unique_ptr<CustomKernelFn> cuda_kernel(rust::Str name,
+                                            rust::Slice<const rust::String> input_names,
+                                            rust::Slice<const rust::String> output_names,
+                                            rust::Str source);
+std::unique_ptr<std::vector<Array>> custom_kernel_call(
+    const CustomKernelFn& kernel, const std::vector<Array>& inputs,
+    rust::Slice<const int32_t> output_shapes, rust::Slice<const int32_t> output_ranks,
+    rust::Slice<const uint8_t> output_dtypes, rust::Slice<const int32_t> grid,
+    rust::Slice<const int32_t> threadgroup, rust::Slice<const rust::String> template_names,
+    rust::Slice<const uint8_t> template_kinds, rust::Slice<const int32_t> template_values);
 
 // random.cc
 std::unique_ptr<Array> random_key(uint64_t seed);

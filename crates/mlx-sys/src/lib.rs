@@ -132,6 +132,8 @@ pub mod ffi {
         type Array;
         /// A compiled function (`std::function` returned by `mlx::core::compile`).
         type CompiledFn;
+        /// A custom GPU kernel (`mlx::core::fast::cuda_kernel`).
+        type CustomKernelFn;
         /// The arrays and metadata of a loaded safetensors file.
         type SafetensorsData;
 
@@ -302,6 +304,25 @@ pub mod ffi {
         ) -> Result<UniquePtr<Array>>;
 
         // ---- fast.cc: fused kernels ----
+        fn cuda_kernel(
+            name: &str,
+            input_names: &[String],
+            output_names: &[String],
+            source: &str,
+        ) -> Result<UniquePtr<CustomKernelFn>>;
+        #[allow(clippy::too_many_arguments)]
+        fn custom_kernel_call(
+            kernel: &CustomKernelFn,
+            inputs: &CxxVector<Array>,
+            output_shapes: &[i32],
+            output_ranks: &[i32],
+            output_dtypes: &[u8],
+            grid: &[i32],
+            threadgroup: &[i32],
+            template_names: &[String],
+            template_kinds: &[u8],
+            template_values: &[i32],
+        ) -> Result<UniquePtr<CxxVector<Array>>>;
         unsafe fn rms_norm(x: &Array, weight: *const Array, eps: f32) -> Result<UniquePtr<Array>>;
         unsafe fn layer_norm(
             x: &Array,
@@ -471,3 +492,6 @@ unsafe impl Send for ffi::Array {}
 // array handle. Calling it concurrently with other MLX work is not, which is why the safe
 // wrapper is `Send` but not `Sync` (and the engine runs MLX on one thread).
 unsafe impl Send for ffi::CompiledFn {}
+
+// SAFETY: as for `CompiledFn`: a `std::function` holding the kernel's name and source.
+unsafe impl Send for ffi::CustomKernelFn {}

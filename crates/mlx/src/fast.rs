@@ -191,3 +191,88 @@ pub fn scaled_dot_product_attention(
     })
     .map(Array::wrap)
 }
+
+/// A compile-time constant of a custom kernel: `constexpr int`, `constexpr bool` or `using`.
+#[derive(Debug, Clone, Copy)]
+pub enum TemplateArg {
+    /// `constexpr int NAME = value;`
+    Int(i32),
+    /// `constexpr bool NAME = value;`
+    Bool(bool),
+    /// `using NAME = <the dtype's CUDA type>;`
+    Dtype(crate::Dtype),
+}
+
+/// A custom CUDA kernel (`mlx::core::fast::cuda_kernel`): `source` is the body of a
+/// `__global__` function whose parameters are the named inputs (`const T* name`, plus
+/// `name_shape`, `name_strides` or `name_ndim` when the body mentions them) and outputs.
+/// Runs only on MLX's CUDA backend.
+pub struct CudaKernel {
+    inner: cxx::UniquePtr<ffi::CustomKernelFn>,
+}
+
+impl std::fmt::Debug for CudaKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CudaKernel")
+    }
+}
+
+/// How a custom kernel is launched: the grid in threads (as MLX counts it) and the block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// Threads along x, y, z (the blocks are this divided by `threadgroup`, rounded up).
+    pub grid: [i32; 3],
+    /// Threads per block along x, y, z.
+    pub threadgroup: [i32; 3],
+}
+
+impl CudaKernel {
+    /// Declares the kernel (nothing is compiled until its first launch).
+    #[track_caller]
+    pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str) -> Result<CudaKernel> {
+        let names = |v: &[&str]| v.iter().map(|s| (*s).to_string()).collect::<Vec<String>>();
+        let inner = check(ffi::cuda_kernel(name, &names(inputs), &names(outputs), source))?;
+        Ok(CudaKernel { inner })
+    }
+
+    /// Builds a launch over `inputs` (lazily, like any op) making outputs of the given shapes
+    /// and dtypes.
+    #[track_caller]
+    pub fn call(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], crate::Dtype)],
+        launch: Launch,
+        template: &[(&str, TemplateArg)],
+    ) -> Result<Vec<Array>> {
+        let kernel = self
+            .inner
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("cuda_kernel returns an error instead of a null"));
+        let shapes: Vec<i32> = outputs.iter().flat_map(|(s, _)| s.iter().copied()).collect();
+        let ranks: Vec<i32> = outputs.iter().map(|(s, _)| s.len() as i32).collect();
+        let dtypes: Vec<u8> = outputs.iter().map(|(_, d)| d.to_ffi().repr).collect();
+        let names: Vec<String> = template.iter().map(|(n, _)| (*n).to_string()).collect();
+        let (kinds, values): (Vec<u8>, Vec<i32>) = template
+            .iter()
+            .map(|(_, a)| match a {
+                TemplateArg::Int(v) => (0, *v),
+                TemplateArg::Bool(v) => (1, i32::from(*v)),
+                TemplateArg::Dtype(d) => (2, i32::from(d.to_ffi().repr)),
+            })
+            .unzip();
+        let result = check(ffi::custom_kernel_call(
+            kernel,
+            &crate::array::to_vector(inputs.iter().copied()),
+            &shapes,
+            &ranks,
+            &dtypes,
+            &launch.grid,
+            &launch.threadgroup,
+            &names,
+            &kinds,
+            &values,
+        ))?;
+        crate::array::from_vector(&result)
+    }
+}

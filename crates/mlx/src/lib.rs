@@ -5,7 +5,9 @@
 //!   at once and [`Array::eval`] (or any read) computes. Element types: [`Element`].
 //! - [`ops`]: arithmetic, comparisons, shapes, indexing, reductions, creation (most are
 //!   methods on [`Array`]).
-//! - [`fast`]: fused `rms_norm`, `layer_norm`, `rope`, `scaled_dot_product_attention`.
+//! - [`fast`]: fused `rms_norm`, `layer_norm`, `rope`, `scaled_dot_product_attention`;
+//!   `rope_by_ops` (the CPU fallback's arithmetic without slices, for shapeless graphs); custom
+//!   CUDA kernels ([`fast::CudaKernel`]).
 //! - [`quantized`]: affine quantization and quantized matmuls.
 //! - [`random`]: keyed random numbers. [`compile()`]: traced, fused Rust closures.
 //! - [`io`]: safetensors. [`device`]: devices, backend, memory.

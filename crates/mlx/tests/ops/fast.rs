@@ -122,3 +122,15 @@ fn rope_by_ops_is_bit_identical_to_the_fused_call_on_the_cpu() {
         }
     }
 }
+
+/// Without MLX's CUDA backend a custom CUDA kernel is a clear error, not an abort.
+#[test]
+fn a_cuda_kernel_off_cuda_is_an_error() {
+    use mlx::fast::CudaKernel;
+    if mlx::Backend::current() == mlx::Backend::Cuda {
+        return;
+    }
+    let error = CudaKernel::new("double", &["x"], &["y"], "y[threadIdx.x] = 2 * x[threadIdx.x];")
+        .unwrap_err();
+    assert!(error.to_string().contains("CUDA"), "{error}");
+}
