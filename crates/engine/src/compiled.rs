@@ -61,18 +61,20 @@ impl Clone for DecodeGraphs {
 }
 
 impl DecodeGraphs {
-    /// No graphs yet; compiled decode `enabled` or not.
+    /// No graphs yet; compiled decode `enabled` or not (never where MLX cannot compile:
+    /// [`crate::nn::compile_available`]).
     pub fn new(enabled: bool) -> DecodeGraphs {
         DecodeGraphs {
             graphs: RefCell::new(HashMap::new()),
-            enabled: Cell::new(enabled),
+            enabled: Cell::new(enabled && crate::nn::compile_available()),
             stats: Cell::new(DecodeGraphStats::default()),
         }
     }
 
-    /// Turns compiled decode on or off (the graphs built so far are kept).
+    /// Turns compiled decode on or off (the graphs built so far are kept); it stays off where
+    /// MLX cannot compile.
     pub fn set_enabled(&self, enabled: bool) {
-        self.enabled.set(enabled);
+        self.enabled.set(enabled && crate::nn::compile_available());
     }
 
     /// Whether decode steps try the compiled path.

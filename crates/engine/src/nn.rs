@@ -112,11 +112,37 @@ impl RmsNorm {
     }
 }
 
+/// Whether MLX can compile graphs on this machine. On the CPU it builds each fused kernel with
+/// the system C++ compiler at run time, and fails when it first *evaluates* one if there is
+/// none (a desktop without build tools): probed once with a tiny graph, so that every compiled
+/// path (these activations, the compiled decode step) runs op by op instead of failing replies.
+pub fn compile_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        let probe = || -> mlx::Result<()> {
+            let f = mlx::compile(
+                |x: &[Array]| Ok(vec![x[0].multiply_scalar(2.0)?.add_scalar(1.0)?.exp()?]),
+                false,
+            )?;
+            let x = Array::from_slice(&[0.5f32, 1.5], &[2])?;
+            let y = f.call(&[&x])?;
+            mlx::eval(&y.iter().collect::<Vec<_>>())
+        };
+        match probe() {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("MLX cannot compile graphs here; running op by op: {e}");
+                false
+            }
+        }
+    })
+}
+
 /// Element-wise activations compiled once into fused kernels (as `mlx.nn` compiles its own):
-/// one kernel instead of the eight ops the tanh-approximated GELU takes.
+/// one kernel instead of the eight ops the tanh-approximated GELU takes. Op by op where
+/// [`compile_available`] says MLX cannot compile.
 pub struct Activations {
-    gelu: mlx::Compiled,
-    geglu: mlx::Compiled,
+    compiled: Option<(mlx::Compiled, mlx::Compiled)>,
 }
 
 impl std::fmt::Debug for Activations {
@@ -128,20 +154,29 @@ impl std::fmt::Debug for Activations {
 impl Activations {
     /// Compiles the activations (shapeless: one trace serves every shape).
     pub fn new() -> Result<Activations> {
+        if !compile_available() {
+            return Ok(Activations { compiled: None });
+        }
         let gelu = mlx::compile(|x: &[Array]| Ok(vec![x[0].gelu_approx()?]), true)?;
         let geglu =
             mlx::compile(|x: &[Array]| Ok(vec![x[0].gelu_approx()?.multiply(&x[1])?]), true)?;
-        Ok(Activations { gelu, geglu })
+        Ok(Activations { compiled: Some((gelu, geglu)) })
     }
 
     /// `gelu_approx(x)`.
     pub fn gelu(&self, x: &Array) -> Result<Array> {
-        first(self.gelu.call(&[x])?)
+        match &self.compiled {
+            Some((gelu, _)) => first(gelu.call(&[x])?),
+            None => Ok(x.gelu_approx()?),
+        }
     }
 
     /// `gelu_approx(gate) · x`.
     pub fn geglu(&self, gate: &Array, x: &Array) -> Result<Array> {
-        first(self.geglu.call(&[gate, x])?)
+        match &self.compiled {
+            Some((_, geglu)) => first(geglu.call(&[gate, x])?),
+            None => Ok(gate.gelu_approx()?.multiply(x)?),
+        }
     }
 }
 
