@@ -325,17 +325,7 @@ fn rounds_match_kept_decodes(
             reference.append_decode(&at(&k, i), &at(&v, i)).unwrap();
         }
         let context = format!("round {n} {round:?} of {rounds:?}, prefix {prefix}, rows {rows}");
-        assert_eq!(speculative.offset(), reference.offset(), "{context}");
-        let (a, b) = (speculative.state().unwrap(), reference.state().unwrap());
-        assert_eq!(a.metadata, b.metadata, "{context}");
-        for (name, tensor) in &a.tensors {
-            assert!(bitwise_equal(tensor, &b.tensors[name]), "{name} differs: {context}");
-        }
-        if compare_slots {
-            for (x, y) in speculative.buffers().iter().zip(reference.buffers()) {
-                assert!(bitwise_equal(x, &y), "ring slots differ: {context}");
-            }
-        }
+        assert_same_storage(speculative.as_ref(), reference.as_ref(), compare_slots, &context);
         let (k1, v1, q) = (
             sized([1, HKV, 1, D], seed + 3, rows),
             sized([1, HKV, 1, D], seed + 4, rows),
