@@ -4,7 +4,8 @@
 //! The flow of one reply: [`checkpoint::ModelDir`] opens a checkpoint, a model
 //! ([`models::gemma4::Gemma4Text`]) builds its layers from it, [`models::Model::new_caches`]
 //! makes one cache per layer that stores keys and values, and [`generate::generate`] prefills
-//! the prompt through window appends and decodes token by token, streaming each one.
+//! the prompt through window appends and decodes token by token, streaming each one; each
+//! decode step runs as one compiled graph where the caches allow it ([`compiled`]).
 //! [`speculative::generate`] does the same with a draft method, verifying drafts in windows
 //! and rolling the caches back to what the target kept: the same tokens, in fewer passes.
 //!
