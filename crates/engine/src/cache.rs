@@ -37,6 +37,14 @@ pub use plain::PlainCache;
 pub use rotating::RotatingCache;
 pub use rows::{CacheRows, Keep};
 
+/// The stored keys and values a compiled decode step gives back for one slot.
+pub(crate) fn step_outputs(outputs: Vec<Array>) -> Result<(Array, Array)> {
+    let [keys, values]: [Array; 2] = outputs.try_into().map_err(|o: Vec<Array>| {
+        Error::InvalidRequest(format!("a decode step gives a cache 2 outputs, not {}", o.len()))
+    })?;
+    Ok((keys, values))
+}
+
 /// The slot of a one-position-per-step storage at `offset` with `keys`/`values` holding at
 /// least `len` stored positions from slot 0: the stored prefix, for a
 /// [`DecodeFetch::Concat`] step.

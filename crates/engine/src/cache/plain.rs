@@ -4,7 +4,7 @@ use mlx::{Array, ops};
 
 use super::{
     AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, DecodeSlot, ReadMask,
-    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor,
+    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor, step_outputs,
 };
 use crate::error::{Error, Result};
 
@@ -213,9 +213,7 @@ impl AttentionCache for PlainCache {
     }
 
     fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
-        let [keys, values]: [Array; 2] = outputs.try_into().map_err(|o: Vec<Array>| {
-            Error::InvalidRequest(format!("a decode step gives 2 outputs, not {}", o.len()))
-        })?;
+        let (keys, values) = step_outputs(outputs)?;
         if fetch != DecodeFetch::Concat {
             return Err(Error::InvalidRequest("a plain cache is read by concatenation".into()));
         }

@@ -10,7 +10,7 @@ use mlx::{Array, Dtype, ops};
 
 use super::{
     AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, DecodeSlot, ReadMask,
-    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor,
+    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor, step_outputs,
 };
 use crate::error::{Error, Result};
 
@@ -438,9 +438,7 @@ impl AttentionCache for RotatingCache {
     }
 
     fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
-        let [keys, values]: [Array; 2] = outputs.try_into().map_err(|o: Vec<Array>| {
-            Error::InvalidRequest(format!("a decode step gives a ring 2 outputs, not {}", o.len()))
-        })?;
+        let (keys, values) = step_outputs(outputs)?;
         self.keys = Some(keys);
         self.values = Some(values);
         if fetch == DecodeFetch::Concat {
