@@ -104,6 +104,7 @@ pub async fn open_state(
 
 /// Runs the desktop app until its window closes.
 pub fn run() -> Result<(), Box<dyn std::error::Error>> {
+    chat::configure_mlx()?;
     let paths = paths::AppPaths::discover()?;
     let _log_guard = paths::init_logging(&paths.log_dir)?;
     tracing::info!(

@@ -27,6 +27,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use actor::{
     Engine, ModelInfo, ReplyEvent, ReplyRequest, ResumeCandidate, TurnMessage, WrittenCheckpoint,
 };
+/// The MLX settings every front end applies at start, before any MLX op.
+pub use engine::configure_mlx;
 use engine::kv_file::Identity;
 use engine::sampling::SamplingParams;
 pub use error::{Error, Result};

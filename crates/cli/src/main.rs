@@ -46,12 +46,17 @@ enum Command {
     Pull(pull::Args),
 }
 
+/// The MLX environment settings Quince applied itself (dropped again for the reference's
+/// process in `bench --compare`, which runs MLX as shipped).
+static MLX_SETTINGS: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+
 fn main() -> anyhow::Result<()> {
     // Log lines (a discarded checkpoint, an eviction, timings at `debug`) go to stderr;
     // `QUINCE_LOG` filters them as `RUST_LOG` would (default: warnings).
     let filter = tracing_subscriber::EnvFilter::try_from_env("QUINCE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let _ = MLX_SETTINGS.set(engine::configure_mlx()?);
     match Cli::parse().command {
         Command::Generate(args) => run::generate(&args),
         Command::Chat(args) => converse::run(&args),

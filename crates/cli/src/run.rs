@@ -13,7 +13,7 @@ use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
 use engine::speculative::{self, DraftLength, DraftMethod, SpecStats};
 use engine::tokenizer::{Content, Message, Part, TextStream, Tokenizer};
-use mlx::ops;
+use mlx::{Array, ops};
 use serde_json::json;
 
 /// Arguments of `quince generate`.
@@ -462,6 +462,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         ours.push(bench_quince(model.as_ref(), args, prompt_tokens)?);
     }
     let compiled = model.decode_graphs().is_some_and(|g| g.stats().steps > 0);
+    let census = decode_census(model.as_ref())?;
     drop(model);
     let mut references = Vec::new();
     if args.compare {
@@ -498,6 +499,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
                 "backend": backend,
                 "compiled_decode": compiled,
                 "decode_weight_bytes": weight_bytes,
+                "decode_ops": census,
                 "quince": side(&ours),
                 "reference": side(&references),
             })
@@ -507,6 +509,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             flat["backend"] = json!(backend);
             flat["compiled_decode"] = json!(compiled);
             flat["decode_weight_bytes"] = json!(weight_bytes);
+            flat["decode_ops"] = json!(census);
             flat
         };
         writeln!(out, "{line}")?;
@@ -532,6 +535,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             ("decode_tok_s", "  decode (tok/s)", true),
             ("peak_mem_bytes", "  peak memory (MiB)", false),
             ("roofline", "  decode / roofline", true),
+            ("host_share", "  host time / decode step", false),
         ] {
             let scale = if key == "peak_mem_bytes" { 1.0 / f64::from(1 << 20) } else { 1.0 };
             let Some(a) = run[key].as_f64().map(|v| v * scale) else { continue };
@@ -551,10 +555,29 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             )?;
         }
     }
+    let total: usize = census.values().sum();
+    let mut by_count: Vec<_> = census.iter().collect();
+    by_count.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    let top: Vec<String> = by_count.iter().take(12).map(|(k, v)| format!("{k} {v}")).collect();
+    writeln!(out, "ops in one decode step: {total} ({})", top.join(", "))?;
     if args.compare {
         writeln!(out, "ratio > 1: quince is better · medians of {} runs", args.repeats)?;
     }
     Ok(())
+}
+
+/// The ops one decode step runs, by primitive (compiled when the model's decode graphs are
+/// on): a step built after an 8-token prefill and counted before it is evaluated.
+fn decode_census(model: &dyn Model) -> anyhow::Result<BTreeMap<String, usize>> {
+    let mut caches = model.new_caches()?;
+    let prompt = synthetic_prompt(8, model.vocab_size() as u32);
+    let last = engine::generate::prefill(model, &mut caches, &prompt, 512)?;
+    let mut settled: Vec<Array> = caches.iter().flat_map(|c| c.buffers()).collect();
+    settled.push(last);
+    mlx::eval(&settled.iter().collect::<Vec<_>>())?;
+    let token = engine::models::gemma4::token_array(&prompt[..1])?;
+    let logits = model.forward_decode(&token.reshape(&[1, 1])?, &mut caches)?;
+    Ok(mlx::graph_census(&[&logits]))
 }
 
 /// Quince's half of `quince bench` at one prompt length: a full-length warm-up, then the
@@ -623,8 +646,13 @@ fn bench_quince(
         prefill_tok_s: median(|s| s.prefill_tok_s),
         decode_tok_s: median(|s| s.decode_tok_s),
         peak_mem_bytes: median(|s| s.peak_mem_bytes as f64) as usize,
+        decode_host_ms: median(|s| s.decode_host_ms),
     };
+    let steps = s.generated_tokens.saturating_sub(1).max(1) as f64;
     let mut ours = stats_json(s);
+    // Host time per decode step against the step itself: near 1, the host is the bottleneck.
+    ours["host_ms_per_step"] = json!(s.decode_host_ms / steps);
+    ours["host_share"] = json!(s.decode_host_ms / steps * s.decode_tok_s / 1e3);
     ours["decode_tok_s_runs"] = json!(runs.iter().map(|r| r.decode_tok_s).collect::<Vec<_>>());
     ours["kv_bytes_per_token"] = json!(kv_bytes);
     Ok(ours)
@@ -634,6 +662,9 @@ fn bench_quince(
 fn bench_reference(args: &BenchArgs, prompt_tokens: usize) -> anyhow::Result<serde_json::Value> {
     let python = args.python.clone().unwrap_or_else(crate::bench_ops::default_python);
     let mut command = std::process::Command::new(&python);
+    for var in crate::MLX_SETTINGS.get().into_iter().flatten() {
+        command.env_remove(var);
+    }
     match &args.image {
         Some(image) => {
             command

@@ -229,6 +229,29 @@ fn bench_json_has_the_speed_fields() {
     assert!(json["decode_tok_s"].as_f64().unwrap() > 0.0);
     assert!(json["ttft_ms"].as_f64().unwrap() > 0.0);
     assert_eq!(json["compiled_decode"], true);
+    // Host time per step, and the same as a share of the step.
+    let host = json["host_ms_per_step"].as_f64().unwrap();
+    let share = json["host_share"].as_f64().unwrap();
+    assert!(host > 0.0);
+    assert!((share - host * json["decode_tok_s"].as_f64().unwrap() / 1e3).abs() < 1e-9);
+    let ops = |json: &serde_json::Value, name: &str| json["decode_ops"][name].as_u64();
+    let total: u64 =
+        json["decode_ops"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum();
+    assert!(total > 100, "{}", json["decode_ops"]);
+
+    // Op by op, the census sees every layer: one softmax per layer's one-query attention.
+    let out = quince()
+        .args(["bench", "--model"])
+        .arg(dense())
+        .args(["--prompt-tokens", "16", "--gen-tokens", "4", "--repeats", "1"])
+        .args(["--no-compile", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(json["compiled_decode"], false);
+    assert_eq!(ops(&json, "Softmax"), Some(6), "{}", json["decode_ops"]);
 
     // Two prompt lengths, each measured; the roofline from the bandwidth given.
     let out = quince()

@@ -90,6 +90,10 @@ pub struct GenerationStats {
     pub decode_tok_s: f64,
     /// MLX's peak memory during the call, in bytes.
     pub peak_mem_bytes: usize,
+    /// Host time spent building and submitting decode steps, in ms (MLX encodes each op on
+    /// the calling thread as it is submitted). Decode is host-bound when this approaches the
+    /// decode time, since the accelerator runs a step while the host builds the next.
+    pub decode_host_ms: f64,
 }
 
 /// The result of [`generate`].
@@ -365,8 +369,10 @@ pub(crate) fn decode_loop<F: FnMut(u32) -> Flow>(
         let more = out.remaining() > 1 && emitted + 1 < limit;
         let mut next = None;
         if more && pipelined {
+            let built = Instant::now();
             let n = decode_step(model, caches, sampler, &y, &out.history)?;
             mlx::async_eval(&[&n])?;
+            out.stats.decode_host_ms += built.elapsed().as_secs_f64() * 1e3;
             next = Some(n);
         }
         let token = y.item::<u32>()?;
@@ -379,7 +385,12 @@ pub(crate) fn decode_loop<F: FnMut(u32) -> Flow>(
         }
         y = match next {
             Some(n) => n,
-            None => decode_step(model, caches, sampler, &y, &out.history)?,
+            None => {
+                let built = Instant::now();
+                let n = decode_step(model, caches, sampler, &y, &out.history)?;
+                out.stats.decode_host_ms += built.elapsed().as_secs_f64() * 1e3;
+                n
+            }
         };
     }
 }

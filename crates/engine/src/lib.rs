@@ -42,3 +42,20 @@ pub mod tokenizer;
 pub mod vision;
 
 pub use error::{Error, Result};
+
+/// Ops per CUDA graph Quince runs MLX-CUDA with (MLX's default on an H200 is 30).
+pub const CUDA_GRAPH_OPS: u32 = 100;
+
+/// Applies the MLX settings Quince runs with, each only where the environment does not set it
+/// already: call at the start of `main`, before any MLX op. Today one: [`CUDA_GRAPH_OPS`]
+/// (a decode step is a couple of thousand small ops, and on CUDA their batching into graphs is
+/// host time per token; A/B figures in the README).
+/// Returns the variables it set, so that a child process meant to run MLX as shipped (the
+/// reference in `quince bench --compare`) can drop them.
+pub fn configure_mlx() -> Result<Vec<&'static str>> {
+    let mut set = Vec::new();
+    if mlx::device::default_cuda_graph_ops(CUDA_GRAPH_OPS)? {
+        set.push(mlx::device::CUDA_GRAPH_OPS_VAR);
+    }
+    Ok(set)
+}

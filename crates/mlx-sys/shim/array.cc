@@ -4,6 +4,9 @@
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_set>
+
+#include "mlx/primitives.h"
 
 namespace quince {
 
@@ -152,6 +155,24 @@ void array_copy_to(const Array& a, rust::Slice<uint8_t> out) {
 void eval(const std::vector<Array>& arrays) { mx::eval(arrays); }
 void async_eval(const std::vector<Array>& arrays) { mx::async_eval(arrays); }
 void eval_one(const Array& a) { mx::eval({a}); }
+
+rust::Vec<rust::String> graph_census(const std::vector<Array>& arrays) {
+  rust::Vec<rust::String> names;
+  std::unordered_set<std::uintptr_t> seen;
+  std::vector<mx::array> stack(arrays.begin(), arrays.end());
+  while (!stack.empty()) {
+    mx::array a = stack.back();
+    stack.pop_back();
+    if (a.status() != mx::array::Status::unscheduled || !a.has_primitive()) continue;
+    if (!seen.insert(a.id()).second) continue;
+    // Siblings (the other outputs of a multi-output node) are the same node. Nodes are told
+    // apart by array, not by primitive: compiled functions share one primitive across calls.
+    for (const auto& sibling : a.siblings()) seen.insert(sibling.id());
+    names.push_back(rust::String(a.primitive().name()));
+    for (const auto& input : a.inputs()) stack.push_back(input);
+  }
+  return names;
+}
 
 std::unique_ptr<std::vector<Array>> vec_new() { return std::make_unique<std::vector<Array>>(); }
 void vec_push(std::vector<Array>& v, const Array& a) { v.push_back(a); }

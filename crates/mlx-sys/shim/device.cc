@@ -1,6 +1,8 @@
 // Devices, backend facts and memory accounting.
 #include "mlx-sys/src/lib.rs.h"
 
+#include <cstdlib>
+
 #include "mlx/backend/cuda/cuda.h"
 #include "mlx/backend/gpu/device_info.h"
 #include "mlx/backend/metal/metal.h"
@@ -59,6 +61,15 @@ size_t system_memory_bytes() {
 
 bool metal_kernels_available() { return mx::metal::is_available(); }
 bool cuda_kernels_available() { return mx::cu::is_available(); }
+
+bool set_env_default(rust::Str name, rust::Str value) {
+  std::string key(name);
+  if (std::getenv(key.c_str()) != nullptr) return false;
+  if (setenv(key.c_str(), std::string(value).c_str(), /* overwrite */ 0) != 0) {
+    throw std::runtime_error("[set_env_default] could not set " + key);
+  }
+  return true;
+}
 
 size_t get_active_memory() { return mx::get_active_memory(); }
 size_t get_peak_memory() { return mx::get_peak_memory(); }

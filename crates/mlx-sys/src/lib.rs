@@ -155,6 +155,9 @@ pub mod ffi {
         fn array_copy_to(a: &Array, out: &mut [u8]) -> Result<()>;
         fn eval(arrays: &CxxVector<Array>) -> Result<()>;
         fn async_eval(arrays: &CxxVector<Array>) -> Result<()>;
+        /// The primitive names of the nodes that evaluating `arrays` would run, one per node
+        /// not yet scheduled (a multi-output node once).
+        fn graph_census(arrays: &CxxVector<Array>) -> Vec<String>;
         fn eval_one(a: &Array) -> Result<()>;
         fn vec_new() -> UniquePtr<CxxVector<Array>>;
         fn vec_push(v: Pin<&mut CxxVector<Array>>, a: &Array);
@@ -418,6 +421,10 @@ pub mod ffi {
         fn system_memory_bytes() -> usize;
         fn metal_kernels_available() -> bool;
         fn cuda_kernels_available() -> bool;
+        /// Sets the environment variable `name` to `value` unless it is set (`setenv` without
+        /// overwrite); true when it set it. For MLX's settings read from the environment on
+        /// first use.
+        fn set_env_default(name: &str, value: &str) -> Result<bool>;
         fn get_active_memory() -> Result<usize>;
         fn get_peak_memory() -> Result<usize>;
         fn reset_peak_memory() -> Result<()>;

@@ -360,6 +360,17 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     check(ffi::async_eval(&to_vector(arrays.iter().copied())))
 }
 
+/// How many nodes of each primitive evaluating `arrays` would run, by primitive name (nodes
+/// already scheduled or evaluated are left out): the op census of a step before it runs.
+/// A multi-output node counts once.
+pub fn graph_census(arrays: &[&Array]) -> std::collections::BTreeMap<String, usize> {
+    let mut census = std::collections::BTreeMap::new();
+    for name in ffi::graph_census(&to_vector(arrays.iter().copied())) {
+        *census.entry(name).or_insert(0) += 1;
+    }
+    census
+}
+
 /// Builds the C++ vector the bridge takes for lists of arrays.
 pub(crate) fn to_vector<'a>(
     arrays: impl IntoIterator<Item = &'a Array>,

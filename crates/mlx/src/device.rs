@@ -101,6 +101,19 @@ impl Backend {
     }
 }
 
+/// How many ops MLX-CUDA records into one CUDA graph before launching it
+/// (`MLX_MAX_OPS_PER_BUFFER`; MLX picks 20–50 by GPU), unless the environment already says.
+/// MLX reads it once, when a GPU stream is first used: call this before any MLX op. A decode
+/// step is thousands of small ops; how they are batched into graphs is host time per token
+/// (measured in the README). No effect on other backends. Returns whether it set the variable
+/// (false: the environment had chosen).
+pub fn default_cuda_graph_ops(ops: u32) -> Result<bool> {
+    check(ffi::set_env_default(CUDA_GRAPH_OPS_VAR, &ops.to_string()))
+}
+
+/// The environment variable [`default_cuda_graph_ops`] sets.
+pub const CUDA_GRAPH_OPS_VAR: &str = "MLX_MAX_OPS_PER_BUFFER";
+
 /// The version of the loaded libmlx, e.g. `0.32.4`.
 pub fn version() -> String {
     ffi::mlx_version()

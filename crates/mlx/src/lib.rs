@@ -38,7 +38,7 @@ pub mod ops;
 pub mod quantized;
 pub mod random;
 
-pub use array::{Array, Dtype, Element, async_eval, eval};
+pub use array::{Array, Dtype, Element, async_eval, eval, graph_census};
 pub use compile::{Compiled, compile};
 pub use device::{Backend, Device};
 pub use error::{Error, Result};

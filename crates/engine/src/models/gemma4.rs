@@ -712,24 +712,24 @@ impl Attention {
         } else {
             x.clone()
         };
-        let q = self.q_proj.forward(&xq)?.reshape(&[b, query_rows, self.heads, self.head_dim])?;
-        let q = self.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?; // [B, H, Lq, D]
+        let q = heads_first(&self.q_proj.forward(&xq)?, self.heads, self.head_dim, |q| {
+            self.q_norm.forward(q)
+        })?; // [B, H, Lq, D]
         let q = rope.apply(&q, position, l - query_rows)?;
         let (read, own) = match (&self.kv, shared) {
             (Some(kv), _) => {
                 let cache = cache.ok_or_else(|| {
                     Error::InvalidRequest("a layer with keys and values needs a cache".into())
                 })?;
-                let raw_k = kv.k_proj.forward(x)?.reshape(&[b, l, kv.kv_heads, self.head_dim])?;
-                let raw_v = match &kv.v_proj {
-                    Some(v_proj) => {
-                        v_proj.forward(x)?.reshape(&[b, l, kv.kv_heads, self.head_dim])?
-                    }
-                    None => raw_k.clone(), // attention_k_eq_v: values from k_proj before k_norm
-                };
-                let k = kv.k_norm.forward(&raw_k)?.transpose(&[0, 2, 1, 3])?;
+                let raw_k = kv.k_proj.forward(x)?;
+                let k = heads_first(&raw_k, kv.kv_heads, self.head_dim, |k| kv.k_norm.forward(k))?;
                 let k = rope.apply(&k, position, 0)?;
-                let v = kv.v_norm.forward(&raw_v)?.transpose(&[0, 2, 1, 3])?;
+                // attention_k_eq_v: values from k_proj before k_norm.
+                let raw_v = match &kv.v_proj {
+                    Some(v_proj) => v_proj.forward(x)?,
+                    None => raw_k,
+                };
+                let v = heads_first(&raw_v, kv.kv_heads, self.head_dim, |v| kv.v_norm.forward(v))?;
                 let read = match append {
                     Append::Window => cache.append_window(&k, &v)?,
                     Append::Decode => cache.append_decode(&k, &v)?,
@@ -745,9 +745,31 @@ impl Attention {
             }
         };
         let out = read.attend(&q, 1.0)?; // q_norm/k_norm replace the 1/sqrt(d) scale
-        let out =
-            out.transpose(&[0, 2, 1, 3])?.reshape(&[b, query_rows, self.heads * self.head_dim])?;
+        let width = self.heads * self.head_dim;
+        let out = if query_rows == 1 {
+            out.reshape(&[b, 1, width])? // one row: [B, H, 1, D] is already in [B, 1, H·D] order
+        } else {
+            out.transpose(&[0, 2, 1, 3])?.reshape(&[b, query_rows, width])?
+        };
         Ok((self.o_proj.forward(&out)?, own))
+    }
+}
+
+/// A projection `[B, L, H·D]` as heads `[B, H, L, D]`, with `norm` applied over `D`. For one
+/// position a single reshape gives the same order (no transpose node: a decode step runs a few
+/// hundred fewer ops, and on CUDA each op costs host time).
+fn heads_first(
+    x: &Array,
+    heads: i32,
+    head_dim: i32,
+    norm: impl FnOnce(&Array) -> Result<Array>,
+) -> Result<Array> {
+    let s = x.shape();
+    let (b, l) = (s[0], s[1]);
+    if l == 1 {
+        norm(&x.reshape(&[b, heads, 1, head_dim])?)
+    } else {
+        Ok(norm(&x.reshape(&[b, l, heads, head_dim])?)?.transpose(&[0, 2, 1, 3])?)
     }
 }
 

@@ -582,3 +582,43 @@ fn a_batch_window_read_is_each_rows_own_read() {
         assert_eq!(batch.row_offsets(), vec![5, 12, 8]);
     }
 }
+
+/// A decode read (one query, no mask) where MLX has no fused kernel runs as Quince's own six
+/// nodes; it must give what MLX's `scaled_dot_product_attention` gives (on the CPU, MLX's
+/// twelve-node expansion), for grouped queries, any scale, f32 and bf16.
+#[test]
+fn a_decode_read_equals_mlx_attention() {
+    for (dtype, heads, kv_heads, dim) in
+        [(Dtype::Float32, 8, 2, 256), (Dtype::Bfloat16, 8, 2, 512), (Dtype::Float32, 4, 4, 64)]
+    {
+        let mut cache = PlainCache::new();
+        let kv = |seed| normal(&[1, kv_heads, 9, dim], seed).astype(dtype).unwrap();
+        let (k, v) = (kv(1), kv(2));
+        let at = |x: &Array, from, to| {
+            x.slice(&[0, 0, from, 0], &[1, kv_heads, to, dim], &[1; 4]).unwrap()
+        };
+        cache.append_window(&at(&k, 0, 8), &at(&v, 0, 8)).unwrap();
+        let read = cache.append_decode(&at(&k, 8, 9), &at(&v, 8, 9)).unwrap();
+        let q = normal(&[1, heads, 1, dim], 3).astype(dtype).unwrap();
+        for scale in [1.0, 0.125] {
+            let ours = read.attend(&q, scale).unwrap();
+            let mlx = mlx::fast::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                scale,
+                mlx::fast::AttentionMask::None,
+                None,
+            )
+            .unwrap();
+            assert_eq!(ours.shape(), vec![1, heads, 1, dim]);
+            assert_eq!(ours.dtype(), dtype);
+            let f32 = |x: &Array| x.astype(Dtype::Float32).unwrap();
+            let diff = max_diff(&f32(&ours), &f32(&mlx));
+            assert!(
+                diff <= 1e-6,
+                "{dtype:?} {heads}/{kv_heads} heads of {dim}, scale {scale}: {diff}"
+            );
+        }
+    }
+}

@@ -93,3 +93,30 @@ fn closure_errors_and_panics_come_back_as_errors() {
     // MLX is still usable afterwards.
     assert_eq!(x.sum_all(false).unwrap().item::<f32>().unwrap(), 6.0);
 }
+
+#[test]
+fn graph_census_counts_each_pending_node_once() {
+    let x = Array::from_slice(&[0.5f32, 1.5, 2.5, 3.5], &[4]).unwrap();
+    let a = x.multiply_scalar(2.0).unwrap(); // Multiply, and a Broadcast of the scalar
+    let census = |arrays: &[&Array]| mlx::graph_census(arrays);
+    assert_eq!(census(&[&a]).get("Multiply"), Some(&1));
+    // A multi-output node is one node, however many of its outputs are asked for.
+    let parts = a.split_equal(2, 0).unwrap();
+    let split = census(&[&parts[0], &parts[1]]);
+    assert_eq!(split.values().sum::<usize>(), census(&[&a]).values().sum::<usize>() + 1);
+    // Two calls of one compiled function share its primitive and are still two nodes, each
+    // with its own inputs counted (telling nodes apart by primitive would stop at the first).
+    let f = compile(|x: &[Array]| Ok(vec![x[0].multiply(&x[1])?.tanh()?]), true).unwrap();
+    let b = a.exp().unwrap();
+    let y1 = f.call(&[&a, &a]).unwrap().remove(0);
+    let y2 = f.call(&[&y1, &b]).unwrap().remove(0);
+    let both = census(&[&y2]);
+    let compiled: usize =
+        both.iter().filter(|(name, _)| name.starts_with("Compiled")).map(|(_, n)| n).sum();
+    assert_eq!(compiled, 2, "{both:?}");
+    assert_eq!(both.get("Exp"), Some(&1), "{both:?}");
+    assert_eq!(both.get("Multiply"), Some(&1), "{both:?}");
+    // Evaluated nodes are done: nothing is left to count.
+    mlx::eval(&[&y2]).unwrap();
+    assert!(census(&[&y2]).is_empty());
+}

@@ -44,3 +44,15 @@ fn memory_accounting_follows_allocations() {
     memory::set_wired_limit(0).unwrap();
     device::synchronize().unwrap();
 }
+
+#[test]
+fn cuda_graph_ops_default_yields_to_the_environment() {
+    // Each nextest test runs in its own process, so the variable starts unset here.
+    if std::env::var_os(mlx::device::CUDA_GRAPH_OPS_VAR).is_some() {
+        return; // set by whoever runs the tests: the default must not override it (below)
+    }
+    assert!(mlx::device::default_cuda_graph_ops(100).unwrap());
+    assert_eq!(std::env::var(mlx::device::CUDA_GRAPH_OPS_VAR).unwrap(), "100");
+    assert!(!mlx::device::default_cuda_graph_ops(7).unwrap());
+    assert_eq!(std::env::var(mlx::device::CUDA_GRAPH_OPS_VAR).unwrap(), "100");
+}
