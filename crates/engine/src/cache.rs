@@ -110,7 +110,8 @@ impl AttentionRead {
                 }
             }
         };
-        if matches!(mask, AttentionMask::None) && q.dim(2)? == 1 && !fused_one_query(q)? {
+        if matches!(mask, AttentionMask::None) && q.dim(2)? == 1 && !fused_one_query(q, &self.keys)?
+        {
             return one_query_attention(q, &self.keys, &self.values, scale);
         }
         Ok(scaled_dot_product_attention(q, &self.keys, &self.values, scale, mask, None)?)
@@ -129,10 +130,11 @@ impl AttentionRead {
 
 /// Whether MLX 0.32 runs attention for one query position as its fused kernel on this backend
 /// (its vector kernel's head sizes); otherwise it expands the op into a dozen nodes.
-fn fused_one_query(q: &Array) -> Result<bool> {
+fn fused_one_query(q: &Array, k: &Array) -> Result<bool> {
     let (heads, dim) = (q.dim(1)?, q.dim(3)?);
+    let group = heads / k.dim(1)?.max(1); // query heads per KV head
     Ok(match mlx::Backend::current() {
-        mlx::Backend::Metal => matches!(dim, 64 | 96 | 128 | 256) && heads <= 32,
+        mlx::Backend::Metal => matches!(dim, 64 | 96 | 128 | 256) && group <= 32,
         mlx::Backend::Cuda => matches!(dim, 64 | 96 | 128),
         mlx::Backend::Cpu => false,
     })
