@@ -342,6 +342,14 @@ pub(crate) fn decode_step(
     sampler.sample(&logits.reshape(&[1, v])?, history)
 }
 
+/// Runs `build` (building and submitting one decode step), adding its time to the host total.
+fn timed_step(stats: &mut GenerationStats, build: impl FnOnce() -> Result<Array>) -> Result<Array> {
+    let start = Instant::now();
+    let step = build();
+    stats.decode_host_ms += start.elapsed().as_secs_f64() * 1e3;
+    step
+}
+
 /// How a run of decode steps ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Decoded {
@@ -369,10 +377,11 @@ pub(crate) fn decode_loop<F: FnMut(u32) -> Flow>(
         let more = out.remaining() > 1 && emitted + 1 < limit;
         let mut next = None;
         if more && pipelined {
-            let built = Instant::now();
-            let n = decode_step(model, caches, sampler, &y, &out.history)?;
-            mlx::async_eval(&[&n])?;
-            out.stats.decode_host_ms += built.elapsed().as_secs_f64() * 1e3;
+            let n = timed_step(&mut out.stats, || {
+                let n = decode_step(model, caches, sampler, &y, &out.history)?;
+                mlx::async_eval(&[&n])?;
+                Ok(n)
+            })?;
             next = Some(n);
         }
         let token = y.item::<u32>()?;
@@ -385,12 +394,9 @@ pub(crate) fn decode_loop<F: FnMut(u32) -> Flow>(
         }
         y = match next {
             Some(n) => n,
-            None => {
-                let built = Instant::now();
-                let n = decode_step(model, caches, sampler, &y, &out.history)?;
-                out.stats.decode_host_ms += built.elapsed().as_secs_f64() * 1e3;
-                n
-            }
+            None => timed_step(&mut out.stats, || {
+                decode_step(model, caches, sampler, &y, &out.history)
+            })?,
         };
     }
 }
