@@ -88,8 +88,11 @@ pub struct GenerateArgs {
     #[arg(long)]
     fixed_draft: bool,
     /// Decode without the compiled step.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "compile")]
     no_compile: bool,
+    /// Decode with the compiled step even on CUDA (where it is off by default).
+    #[arg(long)]
+    compile: bool,
 }
 
 /// Arguments of `quince logits`.
@@ -152,11 +155,36 @@ pub struct BenchArgs {
     #[arg(long)]
     bandwidth_gbs: Option<f64>,
     /// Decode without the compiled step (for A/B runs).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "compile")]
     no_compile: bool,
+    /// Decode with the compiled step even on CUDA, where it is off by default (for A/B runs).
+    #[arg(long)]
+    compile: bool,
+    /// How a decode step attends on CUDA (for A/B runs): Quince's one-query kernel, or MLX
+    /// ops (the grouped query heads as the rows of two products).
+    #[arg(long, value_enum, default_value = "kernel")]
+    decode_attention: DecodeAttentionArg,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// `--decode-attention`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum DecodeAttentionArg {
+    /// Quince's one-query kernel.
+    Kernel,
+    /// MLX ops, the grouped heads as rows.
+    Rows,
+}
+
+impl From<DecodeAttentionArg> for engine::cache::DecodeAttention {
+    fn from(arg: DecodeAttentionArg) -> Self {
+        match arg {
+            DecodeAttentionArg::Kernel => Self::Kernel,
+            DecodeAttentionArg::Rows => Self::Rows,
+        }
+    }
 }
 
 /// The prompt `quince bench` and its mlx-lm counterpart both use: fixed pseudo-random ids that
@@ -197,6 +225,16 @@ pub(crate) fn load(path: &PathBuf) -> anyhow::Result<Box<dyn Model>> {
     models::load(path).with_context(|| format!("loading the model at {}", path.display()))
 }
 
+/// `--compile` / `--no-compile`; neither keeps the backend's default
+/// ([`engine::compiled::compiled_by_default`]).
+fn choose_compiled_decode(model: &dyn Model, compile: bool, no_compile: bool) {
+    if let Some(graphs) = model.decode_graphs()
+        && (compile || no_compile)
+    {
+        graphs.set_enabled(compile);
+    }
+}
+
 /// The speed fields `generate --json` and `bench --json` share.
 fn stats_json(s: &engine::generate::GenerationStats) -> serde_json::Value {
     json!({
@@ -225,9 +263,7 @@ pub fn spec_json(spec: &SpecStats) -> serde_json::Value {
 /// `quince generate`.
 pub fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let model = load(&args.model)?;
-    if let Some(graphs) = model.decode_graphs() {
-        graphs.set_enabled(!args.no_compile);
-    }
+    choose_compiled_decode(model.as_ref(), args.compile, args.no_compile);
     let tokenizer = Tokenizer::from_dir(&args.model)?;
     let prompt = match (&args.tokens, &args.prompt) {
         (Some(tokens), _) => tokens.clone(),
@@ -452,10 +488,9 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     if args.prompt_tokens.is_empty() || args.prompt_tokens.contains(&0) || args.gen_tokens == 0 {
         bail!("--prompt-tokens and --gen-tokens must be positive");
     }
+    engine::cache::set_decode_attention(args.decode_attention.into());
     let model = load(&args.model)?;
-    if let Some(graphs) = model.decode_graphs() {
-        graphs.set_enabled(!args.no_compile);
-    }
+    choose_compiled_decode(model.as_ref(), args.compile, args.no_compile);
     let weight_bytes = model.decode_weight_bytes();
     let mut ours = Vec::new();
     for &prompt_tokens in &args.prompt_tokens {
@@ -493,11 +528,13 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut out = std::io::stdout().lock();
     let backend = mlx::Backend::current().name();
+    let attention = format!("{:?}", engine::cache::decode_attention()).to_lowercase();
     if args.json {
         let line = if args.compare {
             json!({
                 "backend": backend,
                 "compiled_decode": compiled,
+                "decode_attention": attention,
                 "decode_weight_bytes": weight_bytes,
                 "decode_ops": census,
                 "quince": side(&ours),
@@ -508,6 +545,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             let mut flat = side(&ours);
             flat["backend"] = json!(backend);
             flat["compiled_decode"] = json!(compiled);
+            flat["decode_attention"] = json!(attention);
             flat["decode_weight_bytes"] = json!(weight_bytes);
             flat["decode_ops"] = json!(census);
             flat
@@ -518,7 +556,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let reference_name = if args.image.is_some() { "mlx-vlm" } else { "mlx-lm" };
     writeln!(
         out,
-        "{}{} · {} generated · {backend} · compiled decode {}",
+        "{}{} · {} generated · {backend} · compiled decode {} · decode attention {attention}",
         args.model.display(),
         if args.image.is_some() { " (image included)" } else { "" },
         args.gen_tokens,

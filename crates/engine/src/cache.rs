@@ -24,6 +24,7 @@
 //! Storages: [`PlainCache`] (growable) and [`RotatingCache`] (sliding window ring). Rows of a
 //! batch: [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]).
 
+mod one_query;
 mod plain;
 mod rotating;
 mod rows;
@@ -33,6 +34,8 @@ use std::collections::BTreeMap;
 use mlx::Array;
 use mlx::fast::{AttentionMask, scaled_dot_product_attention};
 
+pub(crate) use one_query::tracing_step;
+pub use one_query::{DecodeAttention, decode_attention, set_decode_attention};
 pub use plain::PlainCache;
 pub use rotating::RotatingCache;
 pub use rows::{CacheRows, Keep};
@@ -110,9 +113,8 @@ impl AttentionRead {
                 }
             }
         };
-        if matches!(mask, AttentionMask::None) && q.dim(2)? == 1 && !fused_one_query(q, &self.keys)?
-        {
-            return one_query_attention(q, &self.keys, &self.values, scale);
+        if matches!(mask, AttentionMask::None) && q.dim(2)? == 1 {
+            return one_query::attend_one(q, &self.keys, &self.values, scale);
         }
         Ok(scaled_dot_product_attention(q, &self.keys, &self.values, scale, mask, None)?)
     }
@@ -126,41 +128,6 @@ impl AttentionRead {
     pub fn is_empty(&self) -> Result<bool> {
         Ok(self.len()? == 0)
     }
-}
-
-/// Whether MLX 0.32 runs attention for one query position as its fused kernel on this backend
-/// (its vector kernel's head sizes); otherwise it expands the op into a dozen nodes.
-fn fused_one_query(q: &Array, k: &Array) -> Result<bool> {
-    let (heads, dim) = (q.dim(1)?, q.dim(3)?);
-    let group = heads / k.dim(1)?.max(1); // query heads per KV head
-    Ok(match mlx::Backend::current() {
-        mlx::Backend::Metal => matches!(dim, 64 | 96 | 128 | 256) && group <= 32,
-        mlx::Backend::Cuda => matches!(dim, 64 | 96 | 128),
-        mlx::Backend::Cpu => false,
-    })
-}
-
-/// Attention for one query position, in the fewest nodes MLX allows where its fused kernel
-/// does not apply (Gemma 4's heads of 256 and 512 on CUDA, 512 on Metal, anything on the
-/// CPU): the query heads sharing a KV head become the rows of one product, so there is no
-/// broadcast, no expand and no reshape back, and a scale of 1 is no op at all. Six nodes
-/// instead of MLX's twelve; on CUDA every node costs host time in a decode step. The
-/// arithmetic is MLX's own fallback's (scores in the input dtype, precise softmax).
-fn one_query_attention(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
-    let s = q.shape();
-    let (b, heads, dim) = (s[0], s[1], s[3]);
-    let kv_heads = k.dim(1)?;
-    if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(Error::InvalidRequest(format!(
-            "{heads} query heads cannot share {kv_heads} key-value heads"
-        )));
-    }
-    let mut rows = q.reshape(&[b, kv_heads, heads / kv_heads, dim])?;
-    if scale != 1.0 {
-        rows = rows.multiply_scalar(f64::from(scale))?;
-    }
-    let scores = rows.matmul(&k.swapaxes(-1, -2)?)?.softmax(&[-1], true)?;
-    Ok(scores.matmul(v)?.reshape(&[b, heads, 1, dim])?)
 }
 
 /// A cache's saved state: only valid positions, in temporal order, plus metadata.

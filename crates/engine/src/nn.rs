@@ -152,14 +152,17 @@ impl std::fmt::Debug for Activations {
 }
 
 impl Activations {
-    /// Compiles the activations (shapeless: one trace serves every shape).
+    /// Compiles the activations, traced once per input shape. Not shapeless: a shapeless trace
+    /// puts a broadcast before every binary op, which makes the GELU's graph deeper than MLX
+    /// fuses into one kernel (its depth limit is 11), so each call would be two kernels; traced
+    /// per shape it is one. Same ops in the same order either way, so the same numbers.
     pub fn new() -> Result<Activations> {
         if !compile_available() {
             return Ok(Activations { compiled: None });
         }
-        let gelu = mlx::compile(|x: &[Array]| Ok(vec![x[0].gelu_approx()?]), true)?;
+        let gelu = mlx::compile(|x: &[Array]| Ok(vec![x[0].gelu_approx()?]), false)?;
         let geglu =
-            mlx::compile(|x: &[Array]| Ok(vec![x[0].gelu_approx()?.multiply(&x[1])?]), true)?;
+            mlx::compile(|x: &[Array]| Ok(vec![x[0].gelu_approx()?.multiply(&x[1])?]), false)?;
         Ok(Activations { compiled: Some((gelu, geglu)) })
     }
 

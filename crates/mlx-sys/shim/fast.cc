@@ -55,9 +55,11 @@ std::vector<std::string> strings(rust::Slice<const rust::String> names) {
 std::unique_ptr<CustomKernelFn> cuda_kernel(rust::Str name,
                                             rust::Slice<const rust::String> input_names,
                                             rust::Slice<const rust::String> output_names,
-                                            rust::Str source) {
+                                            rust::Str source, rust::Str header,
+                                            bool ensure_row_contiguous) {
   return std::make_unique<CustomKernelFn>(CustomKernelFn{mx::fast::cuda_kernel(
-      std::string(name), strings(input_names), strings(output_names), std::string(source))});
+      std::string(name), strings(input_names), strings(output_names), std::string(source),
+      std::string(header), ensure_row_contiguous)});
 }
 
 std::unique_ptr<std::vector<Array>> custom_kernel_call(

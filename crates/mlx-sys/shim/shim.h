@@ -170,7 +170,8 @@ std::unique_ptr<Array> scaled_dot_product_attention(const Array& queries, const 
 std::unique_ptr<CustomKernelFn> cuda_kernel(rust::Str name,
                                             rust::Slice<const rust::String> input_names,
                                             rust::Slice<const rust::String> output_names,
-                                            rust::Str source);
+                                            rust::Str source, rust::Str header,
+                                            bool ensure_row_contiguous);
 std::unique_ptr<std::vector<Array>> custom_kernel_call(
     const CustomKernelFn& kernel, const std::vector<Array>& inputs,
     rust::Slice<const int32_t> output_shapes, rust::Slice<const int32_t> output_ranks,

@@ -312,6 +312,8 @@ pub mod ffi {
             input_names: &[String],
             output_names: &[String],
             source: &str,
+            header: &str,
+            ensure_row_contiguous: bool,
         ) -> Result<UniquePtr<CustomKernelFn>>;
         #[allow(clippy::too_many_arguments)]
         fn custom_kernel_call(

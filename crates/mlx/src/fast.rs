@@ -227,11 +227,34 @@ pub struct Launch {
 }
 
 impl CudaKernel {
-    /// Declares the kernel (nothing is compiled until its first launch).
+    /// Declares the kernel (nothing is compiled until its first launch). Inputs that are not
+    /// row-contiguous are copied before each launch.
     #[track_caller]
     pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str) -> Result<CudaKernel> {
+        CudaKernel::with_layout(name, inputs, outputs, source, "", true)
+    }
+
+    /// [`CudaKernel::new`] with a `header` placed before the kernel (device functions,
+    /// includes) and, with `row_contiguous` false, inputs passed as they are laid out: the body
+    /// then addresses them through `name_strides` (a sliced view costs no copy).
+    #[track_caller]
+    pub fn with_layout(
+        name: &str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        header: &str,
+        row_contiguous: bool,
+    ) -> Result<CudaKernel> {
         let names = |v: &[&str]| v.iter().map(|s| (*s).to_string()).collect::<Vec<String>>();
-        let inner = check(ffi::cuda_kernel(name, &names(inputs), &names(outputs), source))?;
+        let inner = check(ffi::cuda_kernel(
+            name,
+            &names(inputs),
+            &names(outputs),
+            source,
+            header,
+            row_contiguous,
+        ))?;
         Ok(CudaKernel { inner })
     }
 

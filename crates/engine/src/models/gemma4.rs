@@ -553,6 +553,7 @@ impl Gemma4Text {
 
     /// The body of a compiled decode step, run by MLX while it traces.
     fn traced_decode(&self, inputs: &[Array], fetches: &[DecodeFetch]) -> mlx::Result<Vec<Array>> {
+        let _tracing = crate::cache::tracing_step();
         let traced = || -> Result<Vec<Array>> {
             let wanted = 2 + fetches.iter().map(|f| f.inputs()).sum::<usize>();
             if inputs.len() != wanted {
@@ -856,10 +857,20 @@ impl Gemma4Text {
                     *p += length - 1;
                 }
             }
-            // A gather, not a slice: a shapeless compiled step can replay it (MLX's `Slice`
-            // cannot infer its output shape when the inputs change).
             let slice = match &per_layer {
-                Some(inputs) => Some(inputs.take(&Array::scalar(i as i32)?, 2)?),
+                // A traced step gathers: a shapeless compiled step can replay that (MLX's
+                // `Slice` cannot infer its output shape when the inputs change).
+                Some(inputs) if matches!(position, Position::Traced(_)) => {
+                    Some(inputs.take(&Array::scalar(i as i32)?, 2)?)
+                }
+                // Otherwise a view: two ops that record no kernel, where the gather is three
+                // ops and one kernel (a decode step on CUDA pays host time per op).
+                Some(inputs) => {
+                    let s = inputs.shape();
+                    let at = i as i32;
+                    let one = inputs.slice(&[0, 0, at, 0], &[s[0], s[1], at + 1, s[3]], &[1; 4])?;
+                    Some(one.reshape(&[s[0], s[1], s[3]])?)
+                }
                 None => None,
             };
             h = layer.finish(h, &attn, slice.as_ref(), &self.activations)?;
