@@ -94,6 +94,9 @@ pub struct GenerationStats {
     /// the calling thread as it is submitted). Decode is host-bound when this approaches the
     /// decode time, since the accelerator runs a step while the host builds the next.
     pub decode_host_ms: f64,
+    /// The part of [`GenerationStats::decode_host_ms`] spent building the steps' graphs
+    /// (Quince's own code); the rest is MLX evaluating them.
+    pub decode_build_ms: f64,
 }
 
 /// The result of [`generate`].
@@ -377,11 +380,15 @@ pub(crate) fn decode_loop<F: FnMut(u32) -> Flow>(
         let more = out.remaining() > 1 && emitted + 1 < limit;
         let mut next = None;
         if more && pipelined {
+            let mut built = 0.0;
             let n = timed_step(&mut out.stats, || {
+                let start = Instant::now();
                 let n = decode_step(model, caches, sampler, &y, &out.history)?;
+                built = start.elapsed().as_secs_f64() * 1e3;
                 mlx::async_eval(&[&n])?;
                 Ok(n)
             })?;
+            out.stats.decode_build_ms += built;
             next = Some(n);
         }
         let token = y.item::<u32>()?;
