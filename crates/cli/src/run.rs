@@ -556,11 +556,12 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let reference_name = if args.image.is_some() { "mlx-vlm" } else { "mlx-lm" };
     writeln!(
         out,
-        "{}{} · {} generated · {backend} · compiled decode {} · decode attention {attention}",
+        "{}{} · {} generated · {backend} · compiled decode {}{}",
         args.model.display(),
         if args.image.is_some() { " (image included)" } else { "" },
         args.gen_tokens,
         if compiled { "on" } else { "off" },
+        if backend == "cuda" { format!(" · decode attention {attention}") } else { String::new() },
     )?;
     if args.compare {
         writeln!(out, "{:<28} {:>12} {:>12} {:>9}", "", "quince", reference_name, "ratio")?;
