@@ -17,7 +17,7 @@ arms = []
 for ops in ("30", "100"):
     env = {"MLX_MAX_OPS_PER_BUFFER": ops}
     arms.append((f"quince op by op, graphs of {ops}", env, [quince, "bench", *common, "--no-compile", "--json"]))
-    arms.append((f"quince compiled, graphs of {ops}", env, [quince, "bench", *common, "--json"]))
+    arms.append((f"quince compiled, graphs of {ops}", env, [quince, "bench", *common, "--compile", "--json"]))
     arms.append((f"mlx-lm, graphs of {ops}", env, ["python3", "tests/bench/mlx_lm_generate.py", *common]))
 
 runs = {name: [] for name, _, _ in arms}
