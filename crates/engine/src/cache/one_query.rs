@@ -185,8 +185,8 @@ const SOURCE: &str = r"
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
-            s += qv[i] * static_cast<float>(kr[i * 32 + lane]);
-            vv[i] = static_cast<float>(vr[i * 32 + lane]);
+            s += qv[i] * static_cast<float>(kr[(i * 32 + lane) * k_strides[3]]);
+            vv[i] = static_cast<float>(vr[(i * 32 + lane) * v_strides[3]]);
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -288,7 +288,7 @@ fn probe() -> Result<CudaKernel> {
 }
 
 /// Quince's one-query attention kernel (CUDA only): `q` `[B, Hq, 1, D]`, `k`/`v`
-/// `[B, Hkv, S, D]` in any strides whose last one is 1 → `[B, Hq, 1, D]`. `None` when the
+/// `[B, Hkv, S, D]` in any strides → `[B, Hq, 1, D]`. `None` when the
 /// kernel does not work on this device (see [`probe`]).
 fn one_query_kernel(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Option<Array>> {
     KERNEL.with(|cell| {
