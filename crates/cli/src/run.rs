@@ -164,6 +164,10 @@ pub struct BenchArgs {
     /// ops (the grouped query heads as the rows of two products).
     #[arg(long, value_enum, default_value = "kernel")]
     decode_attention: DecodeAttentionArg,
+    /// Whether a decode step on CUDA uses Quince's fused kernels for its norms, residual adds,
+    /// rotary embeddings and gated activations (`off`: MLX ops, for A/B runs).
+    #[arg(long, value_enum, default_value = "on")]
+    decode_fusion: Switch,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -185,6 +189,15 @@ impl From<DecodeAttentionArg> for engine::cache::DecodeAttention {
             DecodeAttentionArg::Rows => Self::Rows,
         }
     }
+}
+
+/// `on` or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    /// On.
+    On,
+    /// Off.
+    Off,
 }
 
 /// The prompt `quince bench` and its mlx-lm counterpart both use: fixed pseudo-random ids that
@@ -489,6 +502,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         bail!("--prompt-tokens and --gen-tokens must be positive");
     }
     engine::cache::set_decode_attention(args.decode_attention.into());
+    engine::fused::set_decode_fusion(args.decode_fusion == Switch::On);
     let model = load(&args.model)?;
     choose_compiled_decode(model.as_ref(), args.compile, args.no_compile);
     let weight_bytes = model.decode_weight_bytes();
@@ -529,12 +543,14 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     let backend = mlx::Backend::current().name();
     let attention = format!("{:?}", engine::cache::decode_attention()).to_lowercase();
+    let fusion = if engine::fused::decode_fusion() { "on" } else { "off" };
     if args.json {
         let line = if args.compare {
             json!({
                 "backend": backend,
                 "compiled_decode": compiled,
                 "decode_attention": attention,
+                "decode_fusion": fusion,
                 "decode_weight_bytes": weight_bytes,
                 "decode_ops": census,
                 "quince": side(&ours),
@@ -546,6 +562,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             flat["backend"] = json!(backend);
             flat["compiled_decode"] = json!(compiled);
             flat["decode_attention"] = json!(attention);
+            flat["decode_fusion"] = json!(fusion);
             flat["decode_weight_bytes"] = json!(weight_bytes);
             flat["decode_ops"] = json!(census);
             flat
@@ -561,7 +578,11 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         if args.image.is_some() { " (image included)" } else { "" },
         args.gen_tokens,
         if compiled { "on" } else { "off" },
-        if backend == "cuda" { format!(" · decode attention {attention}") } else { String::new() },
+        if backend == "cuda" {
+            format!(" · decode attention {attention} · fused kernels {fusion}")
+        } else {
+            String::new()
+        },
     )?;
     if args.compare {
         writeln!(out, "{:<28} {:>12} {:>12} {:>9}", "", "quince", reference_name, "ratio")?;

@@ -34,8 +34,8 @@ use std::collections::BTreeMap;
 use mlx::Array;
 use mlx::fast::{AttentionMask, scaled_dot_product_attention};
 
-pub(crate) use one_query::tracing_step;
 pub use one_query::{DecodeAttention, decode_attention, set_decode_attention};
+pub(crate) use one_query::{tracing, tracing_step};
 pub use plain::PlainCache;
 pub use rotating::RotatingCache;
 pub use rows::{CacheRows, Keep};

@@ -280,6 +280,61 @@ pub enum Matrix {
 }
 
 impl Matrix {
+    /// The matrices one above the other (`[Σ rows, cols]`), as one product computes all their
+    /// outputs: `None` when they cannot be one matrix (dense next to quantized, different bits,
+    /// group sizes, dtypes or columns). Lazy: the parts are read and joined when first used.
+    pub fn stack_rows(parts: &[Matrix]) -> Result<Option<Matrix>> {
+        let same =
+            |a: &Array, b: &Array| a.dtype() == b.dtype() && a.dim(-1).ok() == b.dim(-1).ok();
+        let joined =
+            |arrays: Vec<&Array>| -> Result<Array> { Ok(mlx::ops::concatenate(&arrays, 0)?) };
+        match parts {
+            [] => Ok(None),
+            [Matrix::Dense(first), ..] => {
+                let mut dense = Vec::with_capacity(parts.len());
+                for part in parts {
+                    match part {
+                        Matrix::Dense(w) if same(w, first) => dense.push(w),
+                        _ => return Ok(None),
+                    }
+                }
+                Ok(Some(Matrix::Dense(joined(dense)?)))
+            }
+            [Matrix::Quantized(first), ..] => {
+                let mut quantized = Vec::with_capacity(parts.len());
+                for part in parts {
+                    match part {
+                        Matrix::Quantized(q)
+                            if q.bits == first.bits
+                                && q.group_size == first.group_size
+                                && same(&q.weight, &first.weight)
+                                && same(&q.scales, &first.scales)
+                                && same(&q.biases, &first.biases) =>
+                        {
+                            quantized.push(q);
+                        }
+                        _ => return Ok(None),
+                    }
+                }
+                Ok(Some(Matrix::Quantized(QuantizedMatrix {
+                    weight: joined(quantized.iter().map(|q| &q.weight).collect())?,
+                    scales: joined(quantized.iter().map(|q| &q.scales).collect())?,
+                    biases: joined(quantized.iter().map(|q| &q.biases).collect())?,
+                    group_size: first.group_size,
+                    bits: first.bits,
+                })))
+            }
+        }
+    }
+
+    /// Output rows.
+    pub fn rows(&self) -> Result<i32> {
+        Ok(match self {
+            Matrix::Dense(w) => w.dim(0)?,
+            Matrix::Quantized(q) => q.weight.dim(0)?,
+        })
+    }
+
     /// Bytes the matrix occupies (packed weights, scales and biases for a quantized one): what
     /// a matrix-vector product reads.
     pub fn nbytes(&self) -> usize {

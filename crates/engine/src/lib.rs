@@ -32,6 +32,7 @@ pub mod checkpoint;
 pub mod compiled;
 pub mod demo;
 mod error;
+pub mod fused;
 pub mod generate;
 pub mod kv_file;
 pub mod models;

@@ -38,6 +38,100 @@ impl Linear {
     }
 }
 
+static STACKING: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether models loaded from now on stack the projections that read the same input into one
+/// product ([`Stacked`]): `None` (the default) where decode runs op by op, that is on CUDA;
+/// `Some` forces it either way (tests cover both routes on every backend).
+///
+/// Elsewhere the decode step is compiled, and a compiled (shapeless) step must split a
+/// stacked output by gathers (MLX's `Slice` cannot infer its shape there), which cost more
+/// than the separate products: 3 % slower on the CPU.
+pub fn set_stacked_projections(choice: Option<bool>) {
+    let code = match choice {
+        None => 0,
+        Some(true) => 1,
+        Some(false) => 2,
+    };
+    STACKING.store(code, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn stacking() -> bool {
+    match STACKING.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => mlx::Backend::current() == mlx::Backend::Cuda,
+        1 => true,
+        _ => false,
+    }
+}
+
+/// Linear maps of the same input computed as one product where their weights stack (one
+/// matrix-vector product instead of several: on a GPU each op is host time per token), see
+/// [`set_stacked_projections`].
+#[derive(Debug, Clone)]
+pub struct Stacked {
+    /// The stacked map, when the weights allowed it.
+    joined: Option<Linear>,
+    /// The maps one by one otherwise.
+    parts: Vec<Linear>,
+    /// Output width of each map.
+    widths: Vec<i32>,
+    /// Where each map's outputs are in the joined output, for a traced step's gathers.
+    indices: Vec<Array>,
+}
+
+impl Stacked {
+    /// Stacks `parts` (each `[out, in]`, the same `in`) where [`set_stacked_projections`] says
+    /// so and their weights allow it.
+    pub fn new(parts: Vec<Matrix>) -> Result<Stacked> {
+        let widths = parts.iter().map(Matrix::rows).collect::<Result<Vec<_>>>()?;
+        let joined = if stacking() { Matrix::stack_rows(&parts)? } else { None };
+        Ok(match joined {
+            Some(joined) => Stacked {
+                joined: Some(Linear::new(joined)),
+                parts: Vec::new(),
+                indices: crate::fused::split_indices(&widths)?,
+                widths,
+            },
+            None => Stacked {
+                joined: None,
+                parts: parts.into_iter().map(Linear::new).collect(),
+                indices: Vec::new(),
+                widths,
+            },
+        })
+    }
+
+    /// Output width of each map.
+    pub fn widths(&self) -> &[i32] {
+        &self.widths
+    }
+
+    /// Bytes of all the weights.
+    pub fn nbytes(&self) -> usize {
+        self.joined.as_ref().map_or(0, Linear::nbytes)
+            + self.parts.iter().map(Linear::nbytes).sum::<usize>()
+    }
+
+    /// The outputs side by side on the last axis (`[..., Σ widths]`), or `None` when the maps
+    /// are not stacked.
+    pub fn forward_joined(&self, x: &Array) -> Result<Option<Array>> {
+        self.joined.as_ref().map(|j| j.forward(x)).transpose()
+    }
+
+    /// Each map's output.
+    pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
+        match self.forward_joined(x)? {
+            Some(joined) => self.split(&joined),
+            None => self.parts.iter().map(|p| p.forward(x)).collect(),
+        }
+    }
+
+    /// Each map's output out of the joined one.
+    pub fn split(&self, joined: &Array) -> Result<Vec<Array>> {
+        crate::fused::split_last(joined, &self.widths, &self.indices)
+    }
+}
+
 /// A token embedding table `[vocab, dim]`, dense or quantized, usable as a tied output head.
 #[derive(Debug, Clone)]
 pub struct Embedding {
@@ -104,6 +198,16 @@ impl RmsNorm {
     /// A norm without a weight (scale 1).
     pub fn unscaled(eps: f32) -> RmsNorm {
         RmsNorm { weight: None, eps }
+    }
+
+    /// The learned weight (`None` for an unscaled norm).
+    pub fn weight(&self) -> Option<&Array> {
+        self.weight.as_ref()
+    }
+
+    /// The epsilon added to the mean square.
+    pub fn eps(&self) -> f32 {
+        self.eps
     }
 
     /// Normalizes the last axis of `x`.

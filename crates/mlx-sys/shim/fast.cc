@@ -59,7 +59,8 @@ std::unique_ptr<CustomKernelFn> cuda_kernel(rust::Str name,
                                             bool ensure_row_contiguous) {
   return std::make_unique<CustomKernelFn>(CustomKernelFn{mx::fast::cuda_kernel(
       std::string(name), strings(input_names), strings(output_names), std::string(source),
-      std::string(header), ensure_row_contiguous)});
+      std::string(header), ensure_row_contiguous),
+                                           {}});
 }
 
 std::unique_ptr<std::vector<Array>> custom_kernel_call(
@@ -86,6 +87,32 @@ std::unique_ptr<std::vector<Array>> custom_kernel_call(
   for (uint8_t d : output_dtypes) {
     dtypes.push_back(to_mlx(static_cast<Dtype>(d)));
   }
+  // Everything the primitive (its generated source, grid and block) depends on.
+  std::string key;
+  key.reserve(128);
+  auto put = [&key](int64_t v) {
+    key += std::to_string(v);
+    key += ',';
+  };
+  for (size_t i = 0; i < template_values.size(); ++i) {
+    put(template_kinds[i]);
+    put(template_values[i]);
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    put(grid[i]);
+    put(threadgroup[i]);
+  }
+  for (const auto& in : inputs) {
+    put(static_cast<int64_t>(in.dtype().val()));
+    put(static_cast<int64_t>(in.ndim()));
+  }
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    put(static_cast<int64_t>(dtypes[i].val()));
+  }
+  auto& cache = kernel.primitives;
+  if (auto hit = cache.find(key); hit != cache.end()) {
+    return boxed_vec(Array::make_arrays(std::move(shapes), dtypes, hit->second, inputs));
+  }
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> args;
   for (size_t i = 0; i < template_names.size(); ++i) {
     std::string name(template_names[i]);
@@ -98,9 +125,13 @@ std::unique_ptr<std::vector<Array>> custom_kernel_call(
       default: throw std::invalid_argument("[custom_kernel_call] unknown template argument kind");
     }
   }
-  return boxed_vec(kernel.fn(inputs, shapes, dtypes, {grid[0], grid[1], grid[2]},
-                             {threadgroup[0], threadgroup[1], threadgroup[2]}, args, std::nullopt,
-                             false, {}));
+  auto outputs = kernel.fn(inputs, shapes, dtypes, {grid[0], grid[1], grid[2]},
+                          {threadgroup[0], threadgroup[1], threadgroup[2]}, args, std::nullopt,
+                          false, {});
+  if (!outputs.empty() && outputs[0].has_primitive()) {
+    cache.emplace(std::move(key), outputs[0].primitive_ptr());
+  }
+  return boxed_vec(std::move(outputs));
 }
 
 }  // namespace quince

@@ -25,6 +25,11 @@ struct CompiledFn {
 // A custom GPU kernel (`mlx::core::fast::cuda_kernel`), also a std::function.
 struct CustomKernelFn {
   ::mlx::core::fast::CustomKernelFunction fn;
+  // The primitive of each launch configuration seen so far (template arguments, grid, block,
+  // input and output dtypes and ranks): MLX's function builds the kernel's whole source string
+  // on every call, several µs of host time; a later call with the same configuration makes
+  // its outputs from the same (immutable) primitive instead.
+  mutable std::unordered_map<std::string, std::shared_ptr<::mlx::core::Primitive>> primitives;
 };
 
 struct SafetensorsData {

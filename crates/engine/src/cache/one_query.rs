@@ -8,9 +8,11 @@
 //! the call into the graph every time), and Gemma 4's heads of 256 and 512 have no fused MLX
 //! kernel on CUDA. So on CUDA one step of attention is one kernel of ours,
 //! [`DecodeAttention::Kernel`]: each block owns a query head, each warp an interleaved
-//! share of the keys with an online softmax in f32, and the block merges its warps. The keys
-//! and values are read through their strides (a read's valid prefix of a larger buffer is a
-//! view, not a copy).
+//! share of the keys with an online softmax in f32, and the block merges its warps. Past
+//! [`SPLIT_ABOVE`] keys the read is split across blocks of [`CHUNK`] keys and a second kernel
+//! merges their partial softmaxes (with one block per head, a long read would keep only a few
+//! of the GPU's multiprocessors busy). The keys and values are read through their strides (a
+//! read's valid prefix of a larger buffer is a view, not a copy).
 
 use std::cell::{Cell, OnceCell};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -57,6 +59,11 @@ thread_local! {
 /// infer a custom kernel's output shape, which a shapeless graph needs, so a traced step
 /// attends through MLX ops.
 pub(crate) struct TracingStep(bool);
+
+/// Whether this thread is tracing a compiled decode step (see [`tracing_step`]).
+pub(crate) fn tracing() -> bool {
+    TRACING.get()
+}
 
 pub(crate) fn tracing_step() -> TracingStep {
     TracingStep(TRACING.replace(true))
@@ -232,68 +239,246 @@ const SOURCE: &str = r"
     }
 ";
 
+/// Keys per block when a read is split across blocks (flash decoding): with one block per
+/// query head, a long read keeps only a handful of the GPU's multiprocessors busy (E4B's full
+/// layers have 8 query heads), so past [`SPLIT_ABOVE`] keys each block takes `CHUNK` of them
+/// and a second kernel merges the blocks' partial softmaxes.
+const CHUNK: i32 = 256;
+/// Reads longer than this are split (shorter ones cost a few µs in one pass; a split costs
+/// one more op of host time).
+const SPLIT_ABOVE: i32 = 1024;
+
+/// The split pass: block `(row·head, split)` attends keys `[split·CHUNK, …)` as [`SOURCE`]
+/// does and writes its unnormalized sum, its maximum score and its softmax denominator (f32).
+const SPLIT_SOURCE: &str = r"
+    constexpr int WARPS = 16;
+    constexpr int PER = D / 32;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int heads = q_shape[1];
+    const int keys = k_shape[2];
+    const int splits = (keys + CHUNK - 1) / CHUNK;
+    const int bh = blockIdx.x / splits;
+    const int split = blockIdx.x - bh * splits;
+    const int b = bh / heads;
+    const int h = bh - b * heads;
+    const int kv = h / (heads / k_shape[1]);
+    const int begin = split * CHUNK;
+    const int end = min(keys, begin + CHUNK);
+    const float scale = __int_as_float(SCALE_BITS);
+    const float minus_inf = __int_as_float(0xff800000);
+    const InT* qr = q + b * q_strides[0] + h * q_strides[1];
+    const InT* kb = k + b * k_strides[0] + kv * k_strides[1];
+    const InT* vb = v + b * v_strides[0] + kv * v_strides[1];
+    float qv[PER];
+    float acc[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        qv[i] = static_cast<float>(qr[(i * 32 + lane) * q_strides[3]]) * scale;
+        acc[i] = 0.f;
+    }
+    float m = minus_inf;
+    float l = 0.f;
+    for (int t = begin + warp; t < end; t += WARPS) {
+        const InT* kr = kb + static_cast<long long>(t) * k_strides[2];
+        const InT* vr = vb + static_cast<long long>(t) * v_strides[2];
+        float vv[PER];
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            s += qv[i] * static_cast<float>(kr[(i * 32 + lane) * k_strides[3]]);
+            vv[i] = static_cast<float>(vr[(i * 32 + lane) * v_strides[3]]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+        }
+        const float mn = fmaxf(m, s);
+        const float c = expf(m - mn);
+        const float p = expf(s - mn);
+        l = l * c + p;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            acc[i] = acc[i] * c + p * vv[i];
+        }
+        m = mn;
+    }
+    __shared__ float warp_max[WARPS];
+    __shared__ float warp_sum[WARPS];
+    __shared__ float warp_acc[WARPS * D];
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        warp_acc[warp * D + i * 32 + lane] = acc[i];
+    }
+    __syncthreads();
+    float top = minus_inf;
+    for (int w = 0; w < WARPS; ++w) {
+        top = fmaxf(top, warp_max[w]);
+    }
+    float total = 0.f;
+    for (int w = 0; w < WARPS; ++w) {
+        if (warp_max[w] != minus_inf) {
+            total += warp_sum[w] * expf(warp_max[w] - top);
+        }
+    }
+    const long long part = static_cast<long long>(bh) * splits + split;
+    if (threadIdx.x == 0) {
+        stats[part * 2] = top;
+        stats[part * 2 + 1] = total;
+    }
+    for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+        float num = 0.f;
+        for (int w = 0; w < WARPS; ++w) {
+            if (warp_max[w] != minus_inf) {
+                num += warp_acc[w * D + d] * expf(warp_max[w] - top);
+            }
+        }
+        sums[part * D + d] = num;
+    }
+";
+
+/// The merge pass: block `row·head` rescales its splits' sums to their common maximum and
+/// divides by the merged denominator; the output is rounded once to the input dtype.
+const MERGE_SOURCE: &str = r"
+    const int splits = stats_shape[1];
+    const long long bh = blockIdx.x;
+    const float* st = stats + bh * splits * 2;
+    float top = __int_as_float(0xff800000);
+    for (int s = 0; s < splits; ++s) {
+        top = fmaxf(top, st[2 * s]);
+    }
+    float total = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        total += st[2 * s + 1] * expf(st[2 * s] - top);
+    }
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float num = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            num += sums[(bh * splits + s) * D + d] * expf(st[2 * s] - top);
+        }
+        out[bh * D + d] = static_cast<OutT>(num / total);
+    }
+";
+
+/// The one-pass kernel and the split pair.
+struct Kernels {
+    whole: CudaKernel,
+    split: CudaKernel,
+    merge: CudaKernel,
+}
+
 thread_local! {
-    /// The kernel once it compiled and gave the right answer on this thread's device; `None`
-    /// after a failed probe (then decode attends through MLX ops, with one warning).
-    static KERNEL: OnceCell<Option<CudaKernel>> = const { OnceCell::new() };
+    /// The kernels once they compiled and gave the right answers on this thread's device;
+    /// `None` after a failed probe (then decode attends through MLX ops, with one warning).
+    static KERNEL: OnceCell<Option<Kernels>> = const { OnceCell::new() };
 }
 
-fn declare() -> Result<CudaKernel> {
-    Ok(CudaKernel::with_layout(
-        "quince_one_query_attention",
-        &["q", "k", "v"],
-        &["out"],
-        SOURCE,
-        "",
-        false,
-    )?)
+fn declare() -> Result<Kernels> {
+    let strided = |name: &str, outputs: &[&str], source: &str| -> Result<CudaKernel> {
+        Ok(CudaKernel::with_layout(name, &["q", "k", "v"], outputs, source, "", false)?)
+    };
+    Ok(Kernels {
+        whole: strided("quince_one_query_attention", &["out"], SOURCE)?,
+        split: strided("quince_one_query_split", &["sums", "stats"], SPLIT_SOURCE)?,
+        merge: CudaKernel::new(
+            "quince_one_query_merge",
+            &["sums", "stats"],
+            &["out"],
+            MERGE_SOURCE,
+        )?,
+    })
 }
 
-fn launch(kernel: &CudaKernel, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+/// Attends in one pass up to `split_above` keys, else in blocks of `chunk` keys and a merge.
+fn launch(
+    kernels: &Kernels,
+    (q, k, v): (&Array, &Array, &Array),
+    scale: f32,
+    chunk: i32,
+    split_above: i32,
+) -> Result<Array> {
     let (b, heads, _kv_heads, dim) = group_rows(q, k)?;
     let threads = WARPS * 32;
-    let outputs = kernel.call(
-        &[q, k, v],
-        &[(&[b, heads, 1, dim], q.dtype())],
-        Launch { grid: [b * heads * threads, 1, 1], threadgroup: [threads, 1, 1] },
-        &[
-            ("InT", TemplateArg::Dtype(q.dtype())),
-            ("D", TemplateArg::Int(dim)),
-            ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
-        ],
-    )?;
-    outputs
-        .into_iter()
-        .next()
-        .ok_or_else(|| Error::InvalidRequest("the one-query kernel returned no output".to_string()))
-}
-
-/// Compiles and runs the kernel once on a tiny input whose answer is known (values all 1 → an
-/// output of 1), so that a device or driver that cannot build it costs a warning, not a reply.
-fn probe() -> Result<CudaKernel> {
-    let kernel = declare()?;
-    let ones = |shape: &[i32]| -> Result<Array> { Ok(mlx::ops::ones(shape, mlx::Dtype::Float32)?) };
-    let out = launch(
-        &kernel,
-        &ones(&[1, 2, 1, 32])?,
-        &ones(&[1, 1, 3, 32])?,
-        &ones(&[1, 1, 3, 32])?,
-        1.0,
-    )?;
-    let worst = out.add_scalar(-1.0)?.abs()?.max_all(false)?.item::<f32>()?;
-    if worst > 1e-6 {
-        return Err(Error::InvalidRequest(format!("the probe is off by {worst}")));
+    let keys = k.dim(2)?;
+    let first = |outputs: Vec<Array>| {
+        outputs.into_iter().next().ok_or_else(|| {
+            Error::InvalidRequest("the one-query kernel returned no output".to_string())
+        })
+    };
+    let common = [
+        ("InT", TemplateArg::Dtype(q.dtype())),
+        ("D", TemplateArg::Int(dim)),
+        ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
+    ];
+    if keys <= split_above {
+        let outputs = kernels.whole.call(
+            &[q, k, v],
+            &[(&[b, heads, 1, dim], q.dtype())],
+            Launch { grid: [b * heads * threads, 1, 1], threadgroup: [threads, 1, 1] },
+            &common,
+        )?;
+        return first(outputs);
     }
-    Ok(kernel)
+    let splits = (keys + chunk - 1) / chunk;
+    let rows = b * heads;
+    let mut template = common.to_vec();
+    template.push(("CHUNK", TemplateArg::Int(chunk)));
+    let parts = kernels.split.call(
+        &[q, k, v],
+        &[(&[rows, splits, dim], mlx::Dtype::Float32), (&[rows, splits, 2], mlx::Dtype::Float32)],
+        Launch { grid: [rows * splits * threads, 1, 1], threadgroup: [threads, 1, 1] },
+        &template,
+    )?;
+    let [sums, stats] = <[Array; 2]>::try_from(parts).map_err(|_| {
+        Error::InvalidRequest("the split attention kernel returned the wrong outputs".into())
+    })?;
+    let merged = kernels.merge.call(
+        &[&sums, &stats],
+        &[(&[b, heads, 1, dim], q.dtype())],
+        Launch { grid: [rows * 128, 1, 1], threadgroup: [128, 1, 1] },
+        &[("OutT", TemplateArg::Dtype(q.dtype())), ("D", TemplateArg::Int(dim))],
+    )?;
+    first(merged)
 }
 
-/// Quince's one-query attention kernel (CUDA only): `q` `[B, Hq, 1, D]`, `k`/`v`
-/// `[B, Hkv, S, D]` in any strides → `[B, Hq, 1, D]`. `None` when the
-/// kernel does not work on this device (see [`probe`]).
+/// Compiles the kernels and runs them on a tiny input whose answer is known, so that a device
+/// or driver that cannot build them costs a warning, not a reply. Key `t` and value `t` are
+/// rows of `t` and the query is a row of 1/32, so the scores are 0, 1 and 2 and the output is
+/// `(e + 2e²) / (1 + e + e²)`: in one pass, and split in chunks of 2 keys (unequal splits
+/// with different maxima, which the merge must rescale).
+fn probe() -> Result<Kernels> {
+    let kernels = declare()?;
+    let rows = mlx::ops::arange(0.0, 3.0, 1.0, mlx::Dtype::Float32)?
+        .reshape(&[1, 1, 3, 1])?
+        .broadcast_to(&[1, 1, 3, 32])?
+        .add_scalar(0.0)?;
+    let q = mlx::ops::ones(&[1, 2, 1, 32], mlx::Dtype::Float32)?.multiply_scalar(1.0 / 32.0)?;
+    let e = std::f32::consts::E;
+    let want = (e + 2.0 * e * e) / (1.0 + e + e * e);
+    for (chunk, split_above) in [(CHUNK, SPLIT_ABOVE), (2, 0)] {
+        let out = launch(&kernels, (&q, &rows, &rows), 1.0, chunk, split_above)?;
+        let worst = out.add_scalar(-f64::from(want))?.abs()?.max_all(false)?.item::<f32>()?;
+        if worst > 1e-5 {
+            return Err(Error::InvalidRequest(format!(
+                "the probe (chunks of {chunk} keys) is off by {worst}"
+            )));
+        }
+    }
+    Ok(kernels)
+}
+
+/// Quince's one-query attention kernels (CUDA only): `q` `[B, Hq, 1, D]`, `k`/`v`
+/// `[B, Hkv, S, D]` in any strides → `[B, Hq, 1, D]`, in one pass, or split across blocks
+/// past [`SPLIT_ABOVE`] keys. `None` when the kernels do not work on this device (see
+/// [`probe`]).
 fn one_query_kernel(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Option<Array>> {
     KERNEL.with(|cell| {
-        let kernel = cell.get_or_init(|| match probe() {
-            Ok(kernel) => Some(kernel),
+        let kernels = cell.get_or_init(|| match probe() {
+            Ok(kernels) => Some(kernels),
             Err(e) => {
                 tracing::warn!(
                     "the one-query attention kernel is off, decode attends by MLX ops: {e}"
@@ -301,6 +486,9 @@ fn one_query_kernel(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Optio
                 None
             }
         });
-        kernel.as_ref().map(|kernel| launch(kernel, q, k, v, scale)).transpose()
+        kernels
+            .as_ref()
+            .map(|kernels| launch(kernels, (q, k, v), scale, CHUNK, SPLIT_ABOVE))
+            .transpose()
     })
 }

@@ -21,9 +21,10 @@ use crate::cache::{
 use crate::checkpoint::{ModelDir, Weights};
 use crate::compiled::DecodeGraphs;
 use crate::error::{Error, Result};
+use crate::fused;
 use crate::models::gemma4_vision::{Gemma4Vision, VisionConfig};
 use crate::models::{Model, Phase, Rows};
-use crate::nn::{Activations, Embedding, Linear, RmsNorm};
+use crate::nn::{Activations, Embedding, Linear, RmsNorm, Stacked};
 
 /// Rope settings of one layer type (`rope_parameters.<layer type>`).
 #[derive(Debug, Clone, Deserialize)]
@@ -229,6 +230,15 @@ impl Rope {
         Ok(Rope { dims, traditional, base: params.rope_theta as f32, freqs })
     }
 
+    /// The rotation as the fused decode kernel takes it.
+    fn spec(&self) -> fused::RopeSpec<'_> {
+        fused::RopeSpec {
+            traditional: self.traditional,
+            base: self.base,
+            freqs: self.freqs.as_ref(),
+        }
+    }
+
     /// Rotates `x` for positions starting `delta` after `position`.
     fn apply(&self, x: &Array, position: &Position, delta: i32) -> Result<Array> {
         let frequencies = match &self.freqs {
@@ -271,7 +281,9 @@ impl Position {
 
 #[derive(Debug, Clone)]
 pub(crate) struct Attention {
-    q_proj: Linear,
+    /// The query projection, then the key and value projections on a layer with its own keys
+    /// (the value one absent with `attention_k_eq_v`): one stacked product.
+    proj: Stacked,
     /// `None` on KV-shared layers.
     kv: Option<KeyValue>,
     o_proj: Linear,
@@ -283,9 +295,8 @@ pub(crate) struct Attention {
 
 #[derive(Debug, Clone)]
 struct KeyValue {
-    k_proj: Linear,
-    /// `None` with `attention_k_eq_v` (values are the raw `k_proj` output).
-    v_proj: Option<Linear>,
+    /// `attention_k_eq_v`: values are the raw `k_proj` output (no `v_proj`).
+    k_eq_v: bool,
     k_norm: RmsNorm,
     v_norm: RmsNorm,
     kv_heads: i32,
@@ -293,9 +304,11 @@ struct KeyValue {
 
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    /// `gate_proj` and `up_proj`, stacked.
+    gate_up: Stacked,
     down_proj: Linear,
+    /// The int32 scalar 1: where `up` starts in the stacked output, in widths.
+    one: Array,
 }
 
 #[derive(Debug, Clone)]
@@ -303,6 +316,9 @@ struct PerLayerInput {
     gate: Linear,
     projection: Linear,
     post_norm: RmsNorm,
+    /// This layer's index into the per-layer inputs, as an int32 scalar.
+    index: Array,
+    layer: i32,
 }
 
 #[derive(Debug, Clone)]
@@ -630,23 +646,23 @@ pub(crate) fn load_layer(
     };
     let heads = c.num_attention_heads;
     let a = format!("{p}self_attn.");
+    let mut projections = vec![w.matrix(&format!("{a}q_proj"), heads * head_dim, hidden)?];
     let kv = if shared {
         None
     } else {
+        projections.push(w.matrix(&format!("{a}k_proj"), kv_heads * head_dim, hidden)?);
+        if !k_eq_v {
+            projections.push(w.matrix(&format!("{a}v_proj"), kv_heads * head_dim, hidden)?);
+        }
         Some(KeyValue {
-            k_proj: Linear::new(w.matrix(&format!("{a}k_proj"), kv_heads * head_dim, hidden)?),
-            v_proj: if k_eq_v {
-                None
-            } else {
-                Some(Linear::new(w.matrix(&format!("{a}v_proj"), kv_heads * head_dim, hidden)?))
-            },
+            k_eq_v,
             k_norm: RmsNorm::new(w.get(&format!("{a}k_norm.weight"), &[head_dim])?, eps),
             v_norm: RmsNorm::unscaled(eps),
             kv_heads,
         })
     };
     let attention = Attention {
-        q_proj: Linear::new(w.matrix(&format!("{a}q_proj"), heads * head_dim, hidden)?),
+        proj: Stacked::new(projections)?,
         kv,
         o_proj: Linear::new(w.matrix(&format!("{a}o_proj"), hidden, heads * head_dim)?),
         q_norm: RmsNorm::new(w.get(&format!("{a}q_norm.weight"), &[head_dim])?, eps),
@@ -658,9 +674,12 @@ pub(crate) fn load_layer(
         if shared && c.use_double_wide_mlp { 2 * c.intermediate_size } else { c.intermediate_size };
     let m = format!("{p}mlp.");
     let mlp = Mlp {
-        gate_proj: Linear::new(w.matrix(&format!("{m}gate_proj"), width, hidden)?),
-        up_proj: Linear::new(w.matrix(&format!("{m}up_proj"), width, hidden)?),
+        gate_up: Stacked::new(vec![
+            w.matrix(&format!("{m}gate_proj"), width, hidden)?,
+            w.matrix(&format!("{m}up_proj"), width, hidden)?,
+        ])?,
         down_proj: Linear::new(w.matrix(&format!("{m}down_proj"), hidden, width)?),
+        one: Array::scalar(1i32)?,
     };
     let norm = |name: &str| -> Result<RmsNorm> {
         Ok(RmsNorm::new(w.get(&format!("{p}{name}.weight"), &[hidden])?, eps))
@@ -675,6 +694,8 @@ pub(crate) fn load_layer(
                 width,
             )?),
             post_norm: norm("post_per_layer_input_norm")?,
+            index: Array::scalar(i as i32)?,
+            layer: i as i32,
         })
     } else {
         None
@@ -708,29 +729,28 @@ impl Attention {
     ) -> Result<(Array, Option<AttentionRead>)> {
         let s = x.shape();
         let (b, l) = (s[0], s[1]);
-        let xq = if query_rows < l {
-            x.slice(&[0, l - query_rows, 0], &[b, l, s[2]], &[1, 1, 1])?
-        } else {
-            x.clone()
+        let joined = self.proj.forward_joined(x)?;
+        let fused = match &joined {
+            Some(joined) if l == 1 && query_rows == 1 => {
+                self.fused_heads(joined, rope, position)?
+            }
+            _ => None,
         };
-        let q = heads_first(&self.q_proj.forward(&xq)?, self.heads, self.head_dim, |q| {
-            self.q_norm.forward(q)
-        })?; // [B, H, Lq, D]
-        let q = rope.apply(&q, position, l - query_rows)?;
-        let (read, own) = match (&self.kv, shared) {
-            (Some(kv), _) => {
+        let (q, new_kv) = match fused {
+            Some(heads) => (heads.q, heads.kv),
+            None => {
+                let parts = match &joined {
+                    Some(joined) => self.proj.split(joined)?,
+                    None => self.proj.forward(x)?,
+                };
+                self.heads_by_ops(&parts, query_rows, rope, position)?
+            }
+        };
+        let (read, own) = match (&self.kv, shared, new_kv) {
+            (Some(_), _, Some((k, v))) => {
                 let cache = cache.ok_or_else(|| {
                     Error::InvalidRequest("a layer with keys and values needs a cache".into())
                 })?;
-                let raw_k = kv.k_proj.forward(x)?;
-                let k = heads_first(&raw_k, kv.kv_heads, self.head_dim, |k| kv.k_norm.forward(k))?;
-                let k = rope.apply(&k, position, 0)?;
-                // attention_k_eq_v: values from k_proj before k_norm.
-                let raw_v = match &kv.v_proj {
-                    Some(v_proj) => v_proj.forward(x)?,
-                    None => raw_k,
-                };
-                let v = heads_first(&raw_v, kv.kv_heads, self.head_dim, |v| kv.v_norm.forward(v))?;
                 let read = match append {
                     Append::Window => cache.append_window(&k, &v)?,
                     Append::Decode => cache.append_decode(&k, &v)?,
@@ -738,8 +758,8 @@ impl Attention {
                 };
                 (read.clone(), Some(read))
             }
-            (None, Some(donor)) => (donor.clone(), None),
-            (None, None) => {
+            (None, Some(donor), _) => (donor.clone(), None),
+            _ => {
                 return Err(Error::InvalidRequest(
                     "KV-shared layer without its donor's read".into(),
                 ));
@@ -753,6 +773,77 @@ impl Attention {
             out.transpose(&[0, 2, 1, 3])?.reshape(&[b, query_rows, width])?
         };
         Ok((self.o_proj.forward(&out)?, own))
+    }
+}
+
+impl Attention {
+    /// Queries, keys and values of one position by the fused kernel (CUDA), from the stacked
+    /// projection; `None` where it does not run.
+    fn fused_heads(
+        &self,
+        joined: &Array,
+        rope: &Rope,
+        position: &Position,
+    ) -> Result<Option<fused::Heads>> {
+        if rope.dims != self.head_dim {
+            return Ok(None);
+        }
+        let (kv_heads, values_at, k_norm) = match &self.kv {
+            Some(kv) => {
+                let values_at = if kv.k_eq_v { self.heads } else { self.heads + kv.kv_heads };
+                (kv.kv_heads, values_at, &kv.k_norm)
+            }
+            None => (0, self.heads, &self.q_norm),
+        };
+        let layout = fused::HeadsLayout {
+            head_dim: self.head_dim,
+            q_heads: self.heads,
+            kv_heads,
+            values_at,
+            q_norm: &self.q_norm,
+            k_norm,
+        };
+        let position = match position {
+            Position::At(p) => Array::scalar(*p)?,
+            Position::Traced(p) => p.clone(),
+        };
+        fused::decode_heads(joined, &layout, &rope.spec(), &position)
+    }
+
+    /// Queries (from the last `query_rows` rows) and, on a layer with its own keys, keys and
+    /// values, by MLX ops from each projection's output `parts`.
+    fn heads_by_ops(
+        &self,
+        parts: &[Array],
+        query_rows: i32,
+        rope: &Rope,
+        position: &Position,
+    ) -> Result<(Array, Option<(Array, Array)>)> {
+        let raw_q = &parts[0];
+        let s = raw_q.shape();
+        let (b, l) = (s[0], s[1]);
+        let raw_q = if query_rows < l {
+            raw_q.slice(&[0, l - query_rows, 0], &[b, l, s[2]], &[1, 1, 1])?
+        } else {
+            raw_q.clone()
+        };
+        let q = heads_first(&raw_q, self.heads, self.head_dim, |q| self.q_norm.forward(q))?;
+        let q = rope.apply(&q, position, l - query_rows)?; // [B, H, Lq, D]
+        let Some(kv) = &self.kv else { return Ok((q, None)) };
+        let (raw_k, raw_v) = match parts {
+            [_, k] if kv.k_eq_v => (k, k), // attention_k_eq_v: values from k_proj, before k_norm
+            [_, k, v] => (k, v),
+            _ => {
+                return Err(Error::InvalidRequest(format!(
+                    "an attention layer with {} projections",
+                    parts.len()
+                )));
+            }
+        };
+        let k = heads_first(raw_k, kv.kv_heads, self.head_dim, |k| kv.k_norm.forward(k))?;
+        let k = rope.apply(&k, position, 0)?;
+        let v = heads_first(raw_v, kv.kv_heads, self.head_dim, |v| kv.v_norm.forward(v))?;
+        Ok((q, Some((k, v))))
     }
 }
 
@@ -776,28 +867,64 @@ fn heads_first(
 
 impl DecoderLayer {
     /// Everything after attention: the residual, the MLP, the per-layer input (`per_layer`:
-    /// this layer's `[B, T, W]` slice) and the layer scalar.
+    /// the per-layer inputs of every layer, `[B, T, L, W]`) and the layer scalar. Returns the
+    /// new residual and, when `next` is given, that norm of it (the next layer's input norm,
+    /// or the final one), fused with the last residual add where the backend allows.
     pub(crate) fn finish(
         &self,
-        mut h: Array,
+        h: Array,
         attn: &Array,
         per_layer: Option<&Array>,
         act: &Activations,
-    ) -> Result<Array> {
-        h = h.add(&self.post_attention_layernorm.forward(attn)?)?;
-        let ff = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&h)?, act)?;
-        h = h.add(&self.post_feedforward_layernorm.forward(&ff)?)?;
-        if let (Some(pl), Some(slice)) = (&self.per_layer, per_layer) {
-            let gate = act.geglu(&pl.gate.forward(&h)?, slice)?;
-            h = h.add(&pl.post_norm.forward(&pl.projection.forward(&gate)?)?)?;
+        next: Option<&RmsNorm>,
+    ) -> Result<(Array, Option<Array>)> {
+        let (h, ff_in) = fused::residual_norm(
+            &h,
+            attn,
+            &self.post_attention_layernorm,
+            None,
+            Some(&self.pre_feedforward_layernorm),
+        )?;
+        let ff_in = ff_in.ok_or_else(|| Error::InvalidRequest("no MLP input".into()))?;
+        let ff = self.mlp.forward(&ff_in, act)?;
+        let scalar = Some(&self.layer_scalar);
+        match (&self.per_layer, per_layer) {
+            (Some(pl), Some(inputs)) => {
+                let (h, _) =
+                    fused::residual_norm(&h, &ff, &self.post_feedforward_layernorm, None, None)?;
+                let gate =
+                    fused::geglu_at(&pl.gate.forward(&h)?, inputs, pl.layer, &pl.index, act)?;
+                fused::residual_norm(
+                    &h,
+                    &pl.projection.forward(&gate)?,
+                    &pl.post_norm,
+                    scalar,
+                    next,
+                )
+            }
+            _ => fused::residual_norm(&h, &ff, &self.post_feedforward_layernorm, scalar, next),
         }
-        Ok(h.multiply(&self.layer_scalar)?)
     }
 }
 
 impl Mlp {
     fn forward(&self, x: &Array, act: &Activations) -> Result<Array> {
-        let hidden = act.geglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
+        let joined = self.gate_up.forward_joined(x)?;
+        let fused = match &joined {
+            Some(joined) => fused::geglu_halves(joined, &self.one)?,
+            None => None,
+        };
+        let hidden = match (fused, joined) {
+            (Some(hidden), _) => hidden,
+            (None, Some(joined)) => {
+                let parts = self.gate_up.split(&joined)?;
+                act.geglu(&parts[0], &parts[1])?
+            }
+            (None, None) => {
+                let parts = self.gate_up.forward(x)?;
+                act.geglu(&parts[0], &parts[1])?
+            }
+        };
         self.down_proj.forward(&hidden)
     }
 }
@@ -834,6 +961,8 @@ impl Gemma4Text {
         let trim_at =
             if rows == Rows::Last && length > 1 { Some(self.first_shared - 1) } else { None };
         let mut reads: Vec<Option<AttentionRead>> = Vec::with_capacity(self.layers.len());
+        // Each layer hands the next its normed input (fused with its last residual add).
+        let mut normed_next: Option<Array> = None;
         for (i, layer) in self.layers.iter().enumerate() {
             let mut query_rows = h.dim(1)?;
             if trim_at == Some(i) {
@@ -846,7 +975,10 @@ impl Gemma4Text {
             } else {
                 None
             };
-            let normed = layer.input_layernorm.forward(&h)?;
+            let normed = match normed_next.take() {
+                Some(normed) => normed,
+                None => layer.input_layernorm.forward(&h)?,
+            };
             let (attn, own) = layer
                 .attention
                 .forward(&normed, query_rows, rope, &position, cache, shared, append)?;
@@ -857,25 +989,17 @@ impl Gemma4Text {
                     *p += length - 1;
                 }
             }
-            let slice = match &per_layer {
-                // A traced step gathers: a shapeless compiled step can replay that (MLX's
-                // `Slice` cannot infer its output shape when the inputs change).
-                Some(inputs) if matches!(position, Position::Traced(_)) => {
-                    Some(inputs.take(&Array::scalar(i as i32)?, 2)?)
-                }
-                // Otherwise a view: two ops that record no kernel, where the gather is three
-                // ops and one kernel (a decode step on CUDA pays host time per op).
-                Some(inputs) => {
-                    let s = inputs.shape();
-                    let at = i as i32;
-                    let one = inputs.slice(&[0, 0, at, 0], &[s[0], s[1], at + 1, s[3]], &[1; 4])?;
-                    Some(one.reshape(&[s[0], s[1], s[3]])?)
-                }
-                None => None,
+            let next = match self.layers.get(i + 1) {
+                Some(next) => &next.input_layernorm,
+                None => &self.norm,
             };
-            h = layer.finish(h, &attn, slice.as_ref(), &self.activations)?;
+            (h, normed_next) =
+                layer.finish(h, &attn, per_layer.as_ref(), &self.activations, Some(next))?;
         }
-        let h = self.norm.forward(&h)?;
+        let h = match normed_next {
+            Some(normed) => normed,
+            None => self.norm.forward(&h)?,
+        };
         // Drafters that read the target's final hidden state take it from here.
         *self.last_hidden.borrow_mut() = Some(h.clone());
         let logits = match &self.lm_head {
@@ -1017,14 +1141,10 @@ impl Model for Gemma4Text {
             .iter()
             .map(|l| {
                 let a = &l.attention;
-                let kv = a.kv.as_ref().map_or(0, |kv| {
-                    kv.k_proj.nbytes() + kv.v_proj.as_ref().map_or(0, Linear::nbytes)
-                });
-                let mlp =
-                    l.mlp.gate_proj.nbytes() + l.mlp.up_proj.nbytes() + l.mlp.down_proj.nbytes();
+                let mlp = l.mlp.gate_up.nbytes() + l.mlp.down_proj.nbytes();
                 let ple =
                     l.per_layer.as_ref().map_or(0, |p| p.gate.nbytes() + p.projection.nbytes());
-                a.q_proj.nbytes() + kv + a.o_proj.nbytes() + mlp + ple
+                a.proj.nbytes() + a.o_proj.nbytes() + mlp + ple
             })
             .sum();
         let ple = self.ple.as_ref().map_or(0, |p| p.model_projection.nbytes());

@@ -318,7 +318,7 @@ impl DraftMethod for Gemma4Assistant {
                     Some(kv),
                     &Append::Decode,
                 )?;
-                h = layer.finish(h, &attn, None, &self.activations)?;
+                (h, _) = layer.finish(h, &attn, None, &self.activations, None)?;
             }
             let h = self.norm.forward(&h)?;
             h_prev = self.post_projection.forward(&h)?;

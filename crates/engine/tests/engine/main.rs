@@ -4,6 +4,7 @@
 
 mod cache;
 mod errors;
+mod fused;
 mod gemma4;
 mod kv_file;
 mod speculative;

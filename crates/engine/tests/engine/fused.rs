@@ -1,0 +1,168 @@
+//! The fused decode kernels (`engine::fused`) against the MLX ops they replace. The kernels
+//! run only on MLX's CUDA backend: there (the engine test binary sent to the H200 with the
+//! device tool) these tests compare kernel and ops and check that the kernels ran; on any
+//! other backend they check that every function takes the MLX route and gives its numbers.
+
+use engine::fused::{self, Heads, HeadsLayout, RopeSpec};
+use engine::nn::{Activations, RmsNorm};
+use mlx::{Array, Dtype, random};
+
+fn normal(shape: &[i32], seed: u64, dtype: Dtype) -> Array {
+    random::normal(shape, Dtype::Float32, 0.0, 1.0, Some(&random::key(seed).unwrap()))
+        .unwrap()
+        .astype(dtype)
+        .unwrap()
+}
+
+fn f32(x: &Array) -> Array {
+    x.astype(Dtype::Float32).unwrap()
+}
+
+fn max_abs(x: &Array) -> f32 {
+    f32(x).abs().unwrap().max_all(false).unwrap().item::<f32>().unwrap()
+}
+
+/// Checks `got` against `want`: in f32 to 1e-5 of the largest value; in bf16 to two units in
+/// the last place of the largest value (a sum of squares added in another order can move a
+/// norm by one f32 ulp, and that can round a bf16 result the other way).
+fn assert_close(got: &Array, want: &Array, what: &str) {
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    let scale = max_abs(want).max(1.0);
+    let diff = max_abs(&f32(got).subtract(&f32(want)).unwrap());
+    let allowed = if want.dtype() == Dtype::Float32 { 1e-5 } else { 2.0 * 2f32.powi(-7) } * scale;
+    assert!(diff <= allowed, "{what}: {diff} > {allowed}");
+}
+
+fn cuda() -> bool {
+    mlx::Backend::current() == mlx::Backend::Cuda
+}
+
+/// Runs `f` with the kernels on and then off (MLX ops).
+fn on_and_off<T>(f: impl Fn() -> T) -> (T, T) {
+    fused::set_decode_fusion(true);
+    let on = f();
+    fused::set_decode_fusion(false);
+    let off = f();
+    fused::set_decode_fusion(true);
+    (on, off)
+}
+
+#[test]
+fn residual_norm_equals_its_mlx_ops() {
+    for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        for (rows, d) in [(1, 2560), (3, 320), (2, 64)] {
+            let h = normal(&[rows, 1, d], 1, dtype);
+            let x = normal(&[rows, 1, d], 2, dtype).multiply_scalar(3.0).unwrap();
+            let a = RmsNorm::new(normal(&[d], 3, dtype), 1e-6);
+            let b = RmsNorm::new(normal(&[d], 4, dtype), 1e-6);
+            let scalar = Array::from_slice(&[0.625f32], &[1]).unwrap().astype(dtype).unwrap();
+            for scale in [None, Some(&scalar)] {
+                for next in [None, Some(&b)] {
+                    let what = format!(
+                        "{dtype:?} {rows}×{d} scale {} next {}",
+                        scale.is_some(),
+                        next.is_some()
+                    );
+                    let (on, off) =
+                        on_and_off(|| fused::residual_norm(&h, &x, &a, scale, next).unwrap());
+                    assert_close(&on.0, &off.0, &format!("{what}: sum"));
+                    assert_eq!(on.1.is_some(), next.is_some(), "{what}: a norm only when asked");
+                    if let (Some(n_on), Some(n_off)) = (&on.1, &off.1) {
+                        assert_close(n_on, n_off, &format!("{what}: norm"));
+                    }
+                }
+            }
+        }
+    }
+    if cuda() {
+        assert!(fused::kernels_in_use().contains(&"quince_residual_norm"));
+    }
+}
+
+#[test]
+fn geglu_kernels_equal_their_mlx_ops() {
+    let act = Activations::new().unwrap();
+    let one = Array::scalar(1i32).unwrap();
+    for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        for (rows, w) in [(1, 10240), (2, 1000)] {
+            let joined = normal(&[rows, 1, 2 * w], 5, dtype).multiply_scalar(2.0).unwrap();
+            let halves = fused::split_last(&joined, &[w, w], &[]).unwrap();
+            let want = act.geglu(&halves[0], &halves[1]).unwrap();
+            match fused::geglu_halves(&joined, &one).unwrap() {
+                Some(got) => assert_close(&got, &want, &format!("halves {dtype:?} {rows}×{w}")),
+                None => assert!(!cuda(), "the GEGLU kernel refused {dtype:?} {rows}×{w} on CUDA"),
+            }
+        }
+        let (layers, w) = (5, 256);
+        let inputs = normal(&[2, 1, layers, w], 6, dtype);
+        let gate = normal(&[2, 1, w], 7, dtype).multiply_scalar(2.0).unwrap();
+        for layer in [0, 3, layers - 1] {
+            let index = Array::scalar(layer).unwrap();
+            let (on, off) =
+                on_and_off(|| fused::geglu_at(&gate, &inputs, layer, &index, &act).unwrap());
+            assert_close(&on, &off, &format!("layer {layer} {dtype:?}"));
+        }
+    }
+    if cuda() {
+        assert!(fused::kernels_in_use().contains(&"quince_geglu"));
+    }
+}
+
+#[test]
+fn decode_heads_equal_their_mlx_ops() {
+    // Gemma 4 E4B's shapes: sliding heads of 256 (8 query, 2 key-value), full heads of 512
+    // with values from the raw keys, and a KV-shared layer (queries only).
+    let cases = [(256, 8, 2, 10), (512, 8, 1, 8), (256, 8, 0, 8)];
+    let proportional: Vec<f32> = (0..256)
+        .map(|i| if i < 64 { 1e6f32.powf(i as f32 / 256.0) } else { f32::INFINITY })
+        .collect();
+    let periods = Array::from_slice(&proportional, &[256]).unwrap();
+    for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        for (d, q_heads, kv_heads, values_at) in cases {
+            let heads_in = q_heads + 2 * kv_heads;
+            let proj = normal(&[2, 1, heads_in * d], 8, dtype).multiply_scalar(4.0).unwrap();
+            let q_norm = RmsNorm::new(normal(&[d], 9, dtype), 1e-6);
+            let k_norm = RmsNorm::new(normal(&[d], 10, dtype), 1e-6);
+            let layout = HeadsLayout {
+                head_dim: d,
+                q_heads,
+                kv_heads,
+                values_at,
+                q_norm: &q_norm,
+                k_norm: &k_norm,
+            };
+            let freqs = (d == 512).then_some(&periods);
+            for traditional in [false, true] {
+                let rope = RopeSpec { traditional, base: 10_000.0, freqs };
+                for position in [0, 1234] {
+                    let what = format!(
+                        "{dtype:?} {q_heads}/{kv_heads} heads of {d}, traditional {traditional}, position {position}"
+                    );
+                    let want: Heads =
+                        fused::decode_heads_by_ops(&proj, &layout, &rope, position).unwrap();
+                    let got = fused::decode_heads(
+                        &proj,
+                        &layout,
+                        &rope,
+                        &Array::scalar(position).unwrap(),
+                    )
+                    .unwrap();
+                    let Some(got) = got else {
+                        assert!(!cuda(), "{what}: the kernel refused the inputs on CUDA");
+                        continue;
+                    };
+                    assert_close(&got.q, &want.q, &format!("{what}: q"));
+                    assert_eq!(got.kv.is_some(), kv_heads > 0, "{what}: keys only with key heads");
+                    if let (Some((k, v)), Some((wk, wv))) = (&got.kv, &want.kv) {
+                        assert_close(k, wk, &format!("{what}: k"));
+                        assert_close(v, wv, &format!("{what}: v"));
+                    }
+                }
+            }
+        }
+    }
+    if cuda() {
+        assert!(fused::kernels_in_use().contains(&"quince_decode_heads"));
+    }
+}
