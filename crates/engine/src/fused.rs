@@ -66,7 +66,7 @@ struct Spec {
     inputs: &'static [&'static str],
     outputs: &'static [&'static str],
     source: &'static str,
-    probe: fn(&CudaKernel) -> Result<()>,
+    probe: fn(&Rc<CudaKernel>) -> Result<()>,
 }
 
 thread_local! {
@@ -83,7 +83,8 @@ fn kernel(spec: &Spec) -> Option<Rc<CudaKernel>> {
     let built =
         CudaKernel::with_layout(spec.name, spec.inputs, spec.outputs, spec.source, HEADER, true)
             .map_err(Error::from)
-            .and_then(|k| (spec.probe)(&k).map(|()| Rc::new(k)));
+            .map(Rc::new)
+            .and_then(|k| (spec.probe)(&k).map(|()| k));
     let kept = match built {
         Ok(k) => Some(k),
         Err(e) => {
@@ -220,7 +221,7 @@ pub fn residual_norm(
     next: Option<&RmsNorm>,
 ) -> Result<(Array, Option<Array>)> {
     if applies(h)
-        && let Some(out) = residual_by_kernel(h, x, norm_a, scale, next, None)?
+        && let Some(out) = residual_by_kernel(h, x, norm_a, scale, next, || kernel(&RESIDUAL))?
     {
         return Ok(out);
     }
@@ -249,7 +250,7 @@ fn residual_by_kernel(
     norm_a: &RmsNorm,
     scale: Option<&Array>,
     next: Option<&RmsNorm>,
-    forced: Option<&CudaKernel>,
+    kernel: impl FnOnce() -> Option<Rc<CudaKernel>>,
 ) -> Result<Option<(Array, Option<Array>)>> {
     let dtype = h.dtype();
     let d = h.dim(-1)?;
@@ -272,17 +273,7 @@ fn residual_by_kernel(
     {
         return Ok(None);
     }
-    let held;
-    let kernel = match forced {
-        Some(k) => k,
-        None => match kernel(&RESIDUAL) {
-            Some(k) => {
-                held = k;
-                &*held
-            }
-            None => return Ok(None),
-        },
-    };
+    let Some(kernel) = kernel() else { return Ok(None) };
     let rows = (h.size() / d as usize) as i32;
     let normed_shape: Vec<i32> = if next.is_some() { h.shape() } else { vec![1] };
     let outputs = kernel.call(
@@ -301,14 +292,15 @@ fn residual_by_kernel(
     Ok(Some((sum, next.map(|_| normed))))
 }
 
-fn probe_residual(kernel: &CudaKernel) -> Result<()> {
+fn probe_residual(kernel: &Rc<CudaKernel>) -> Result<()> {
     let d = 320; // not a multiple of the block: the tail is masked
     let h = probe_values(&[2, 1, d], 0.0)?;
     let x = probe_values(&[2, 1, d], 0.3)?;
     let a = RmsNorm::new(probe_values(&[d], 0.5)?, 1e-6);
     let b = RmsNorm::new(probe_values(&[d], 0.9)?, 1e-6);
     let s = Array::from_slice(&[0.75f32], &[1])?;
-    let Some((sum, normed)) = residual_by_kernel(&h, &x, &a, Some(&s), Some(&b), Some(kernel))?
+    let Some((sum, normed)) =
+        residual_by_kernel(&h, &x, &a, Some(&s), Some(&b), || Some(Rc::clone(kernel)))?
     else {
         return Err(Error::InvalidRequest("the residual probe's inputs were refused".into()));
     };
@@ -467,7 +459,7 @@ pub fn decode_heads(
     if !applies(proj) {
         return Ok(None);
     }
-    heads_by_kernel(proj, layout, rope, position, None)
+    heads_by_kernel(proj, layout, rope, position, || kernel(&HEADS))
 }
 
 fn heads_by_kernel(
@@ -475,7 +467,7 @@ fn heads_by_kernel(
     layout: &HeadsLayout<'_>,
     rope: &RopeSpec<'_>,
     position: &Array,
-    forced: Option<&CudaKernel>,
+    kernel: impl FnOnce() -> Option<Rc<CudaKernel>>,
 ) -> Result<Option<Heads>> {
     let dtype = proj.dtype();
     let s = proj.shape();
@@ -507,17 +499,7 @@ fn heads_by_kernel(
     {
         return Ok(None);
     }
-    let held;
-    let kernel = match forced {
-        Some(k) => k,
-        None => match kernel(&HEADS) {
-            Some(k) => {
-                held = k;
-                &*held
-            }
-            None => return Ok(None),
-        },
-    };
+    let Some(kernel) = kernel() else { return Ok(None) };
     let b = s[0];
     let kv_shape: Vec<i32> = if hk > 0 { vec![b, hk, 1, d] } else { vec![1] };
     let outputs = kernel.call(
@@ -587,7 +569,7 @@ pub fn decode_heads_by_ops(
     Ok(Heads { q, kv: Some((k, v)) })
 }
 
-fn probe_heads(kernel: &CudaKernel) -> Result<()> {
+fn probe_heads(kernel: &Rc<CudaKernel>) -> Result<()> {
     let d = 64;
     let proj = probe_values(&[2, 1, 5 * d], 0.1)?;
     let (qn, kn) = (
@@ -609,8 +591,9 @@ fn probe_heads(kernel: &CudaKernel) -> Result<()> {
         RopeSpec { traditional: true, base: 10_000.0, freqs: Some(&freqs) },
     ] {
         let position = 37;
-        let Some(got) =
-            heads_by_kernel(&proj, &layout, &rope, &Array::scalar(position)?, Some(kernel))?
+        let Some(got) = heads_by_kernel(&proj, &layout, &rope, &Array::scalar(position)?, || {
+            Some(Rc::clone(kernel))
+        })?
         else {
             return Err(Error::InvalidRequest("the heads probe's inputs were refused".into()));
         };
@@ -664,23 +647,13 @@ fn geglu_by_kernel(
     a_stride: i32,
     b_stride: i32,
     out_shape: &[i32],
-    forced: Option<&CudaKernel>,
+    kernel: impl FnOnce() -> Option<Rc<CudaKernel>>,
 ) -> Result<Option<Array>> {
     let dtype = gate.dtype();
     if side.dtype() != dtype || at.dtype() != Dtype::Int32 || at.size() != 1 {
         return Ok(None);
     }
-    let held;
-    let kernel = match forced {
-        Some(k) => k,
-        None => match kernel(&GEGLU) {
-            Some(k) => {
-                held = k;
-                &*held
-            }
-            None => return Ok(None),
-        },
-    };
+    let Some(kernel) = kernel() else { return Ok(None) };
     let rows = (gate.size() / a_stride as usize) as i32;
     let blocks = (width + GEGLU_THREADS - 1) / GEGLU_THREADS;
     let outputs = kernel.call(
@@ -711,7 +684,7 @@ pub fn geglu_halves(joined: &Array, one: &Array) -> Result<Option<Array>> {
     if !applies(joined) {
         return Ok(None);
     }
-    geglu_by_kernel(joined, joined, one, width, 2 * width, 2 * width, &out_shape, None)
+    geglu_by_kernel(joined, joined, one, width, 2 * width, 2 * width, &out_shape, || kernel(&GEGLU))
 }
 
 /// `gelu_approx(gate) · inputs[..., layer, :]` for per-layer inputs `[B, T, L, W]` and a
@@ -731,7 +704,9 @@ pub fn geglu_at(
     if applies(gate)
         && gate.shape() == [s[0], s[1], width]
         && let Some(out) =
-            geglu_by_kernel(gate, inputs, index, width, width, s[2] * width, &gate.shape(), None)?
+            geglu_by_kernel(gate, inputs, index, width, width, s[2] * width, &gate.shape(), || {
+                kernel(&GEGLU)
+            })?
     {
         return Ok(out);
     }
@@ -746,13 +721,14 @@ pub fn geglu_at(
     act.geglu(gate, &slice)
 }
 
-fn probe_geglu(kernel: &CudaKernel) -> Result<()> {
+fn probe_geglu(kernel: &Rc<CudaKernel>) -> Result<()> {
     let act = Activations::new()?;
     let w = 300;
     let joined = probe_values(&[2, 1, 2 * w], 0.6)?;
     let one = Array::scalar(1i32)?;
-    let Some(got) =
-        geglu_by_kernel(&joined, &joined, &one, w, 2 * w, 2 * w, &[2, 1, w], Some(kernel))?
+    let Some(got) = geglu_by_kernel(&joined, &joined, &one, w, 2 * w, 2 * w, &[2, 1, w], || {
+        Some(Rc::clone(kernel))
+    })?
     else {
         return Err(Error::InvalidRequest("the GEGLU probe's inputs were refused".into()));
     };

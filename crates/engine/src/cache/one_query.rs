@@ -156,89 +156,6 @@ fn kernel_applies(q: &Array, k: &Array) -> Result<bool> {
 const WARPS: i32 = 16;
 const MAX_HEAD_DIM: i32 = 512;
 
-/// The kernel body (`mlx::core::fast::cuda_kernel`): block = one (row, query head), 16 warps;
-/// warp `w` takes keys `w, w + 16, …`; lane `l` holds dims `l, l + 32, …` (each load of a key
-/// row is 32 consecutive elements across the warp). Scores, softmax and the weighted sum are
-/// f32; the output is rounded once to the input dtype.
-const SOURCE: &str = r"
-    constexpr int WARPS = 16;
-    constexpr int PER = D / 32;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int heads = q_shape[1];
-    const int bh = blockIdx.x;
-    const int b = bh / heads;
-    const int h = bh - b * heads;
-    const int kv = h / (heads / k_shape[1]);
-    const int keys = k_shape[2];
-    const float scale = __int_as_float(SCALE_BITS);
-    const float minus_inf = __int_as_float(0xff800000);
-    const InT* qr = q + b * q_strides[0] + h * q_strides[1];
-    const InT* kb = k + b * k_strides[0] + kv * k_strides[1];
-    const InT* vb = v + b * v_strides[0] + kv * v_strides[1];
-    float qv[PER];
-    float acc[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        qv[i] = static_cast<float>(qr[(i * 32 + lane) * q_strides[3]]) * scale;
-        acc[i] = 0.f;
-    }
-    float m = minus_inf;
-    float l = 0.f;
-    for (int t = warp; t < keys; t += WARPS) {
-        const InT* kr = kb + static_cast<long long>(t) * k_strides[2];
-        const InT* vr = vb + static_cast<long long>(t) * v_strides[2];
-        float vv[PER];
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            s += qv[i] * static_cast<float>(kr[(i * 32 + lane) * k_strides[3]]);
-            vv[i] = static_cast<float>(vr[(i * 32 + lane) * v_strides[3]]);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            s += __shfl_xor_sync(0xffffffffu, s, o);
-        }
-        const float mn = fmaxf(m, s);
-        const float c = expf(m - mn);
-        const float p = expf(s - mn);
-        l = l * c + p;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            acc[i] = acc[i] * c + p * vv[i];
-        }
-        m = mn;
-    }
-    __shared__ float warp_max[WARPS];
-    __shared__ float warp_sum[WARPS];
-    __shared__ float warp_acc[WARPS * D];
-    if (lane == 0) {
-        warp_max[warp] = m;
-        warp_sum[warp] = l;
-    }
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        warp_acc[warp * D + i * 32 + lane] = acc[i];
-    }
-    __syncthreads();
-    float top = minus_inf;
-    for (int w = 0; w < WARPS; ++w) {
-        top = fmaxf(top, warp_max[w]);
-    }
-    float total = 0.f;
-    for (int w = 0; w < WARPS; ++w) {
-        total += warp_sum[w] * expf(warp_max[w] - top);
-    }
-    InT* o = out + static_cast<long long>(bh) * D;
-    for (int d = threadIdx.x; d < D; d += WARPS * 32) {
-        float num = 0.f;
-        for (int w = 0; w < WARPS; ++w) {
-            num += warp_acc[w * D + d] * expf(warp_max[w] - top);
-        }
-        o[d] = static_cast<InT>(num / total);
-    }
-";
-
 /// Keys per block when a read is split across blocks (flash decoding): with one block per
 /// query head, a long read keeps only a handful of the GPU's multiprocessors busy (E4B's full
 /// layers have 8 query heads), so past [`SPLIT_ABOVE`] keys each block takes `CHUNK` of them
@@ -248,23 +165,21 @@ const CHUNK: i32 = 256;
 /// one more op of host time).
 const SPLIT_ABOVE: i32 = 1024;
 
-/// The split pass: block `(row·head, split)` attends keys `[split·CHUNK, …)` as [`SOURCE`]
-/// does and writes its unnormalized sum, its maximum score and its softmax denominator (f32).
-const SPLIT_SOURCE: &str = r"
+/// What the one-pass and split kernels share, after the lines that set `bh` (the block's
+/// row·head) and its keys `[begin, end)`: block = one (row, query head), 16 warps; warp `w`
+/// takes keys `begin + w, begin + w + 16, …`; lane `l` holds dims `l, l + 32, …` (each load of
+/// a key row is 32 consecutive elements across the warp). Scores and the softmax are f32, an
+/// online softmax per warp; the warps are then merged to the block's maximum score `top` and
+/// denominator `total`, and `warp_num(d)` gives dim `d`'s weighted sum relative to `top`.
+const ATTEND_KEYS: &str = r"
     constexpr int WARPS = 16;
     constexpr int PER = D / 32;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int heads = q_shape[1];
-    const int keys = k_shape[2];
-    const int splits = (keys + CHUNK - 1) / CHUNK;
-    const int bh = blockIdx.x / splits;
-    const int split = blockIdx.x - bh * splits;
     const int b = bh / heads;
     const int h = bh - b * heads;
     const int kv = h / (heads / k_shape[1]);
-    const int begin = split * CHUNK;
-    const int end = min(keys, begin + CHUNK);
     const float scale = __int_as_float(SCALE_BITS);
     const float minus_inf = __int_as_float(0xff800000);
     const InT* qr = q + b * q_strides[0] + h * q_strides[1];
@@ -325,19 +240,49 @@ const SPLIT_SOURCE: &str = r"
             total += warp_sum[w] * expf(warp_max[w] - top);
         }
     }
-    const long long part = static_cast<long long>(bh) * splits + split;
-    if (threadIdx.x == 0) {
-        stats[part * 2] = top;
-        stats[part * 2 + 1] = total;
-    }
-    for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+    auto warp_num = [&](int d) {
         float num = 0.f;
         for (int w = 0; w < WARPS; ++w) {
             if (warp_max[w] != minus_inf) {
                 num += warp_acc[w * D + d] * expf(warp_max[w] - top);
             }
         }
-        sums[part * D + d] = num;
+        return num;
+    };
+";
+
+/// The one-pass kernel: one block per (row, query head) over all its keys; the output is
+/// rounded once to the input dtype.
+const WHOLE_HEAD: &str = r"
+    const int bh = blockIdx.x;
+    const int begin = 0;
+    const int end = k_shape[2];
+";
+const WHOLE_TAIL: &str = r"
+    InT* o = out + static_cast<long long>(bh) * D;
+    for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+        o[d] = static_cast<InT>(warp_num(d) / total);
+    }
+";
+
+/// The split pass: block `(row·head, split)` attends keys `[split·CHUNK, …)` and writes its
+/// unnormalized sum, its maximum score and its softmax denominator (f32).
+const SPLIT_HEAD: &str = r"
+    const int keys = k_shape[2];
+    const int splits = (keys + CHUNK - 1) / CHUNK;
+    const int bh = blockIdx.x / splits;
+    const int split = blockIdx.x - bh * splits;
+    const int begin = split * CHUNK;
+    const int end = min(keys, begin + CHUNK);
+";
+const SPLIT_TAIL: &str = r"
+    const long long part = static_cast<long long>(bh) * splits + split;
+    if (threadIdx.x == 0) {
+        stats[part * 2] = top;
+        stats[part * 2 + 1] = total;
+    }
+    for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+        sums[part * D + d] = warp_num(d);
     }
 ";
 
@@ -378,12 +323,13 @@ thread_local! {
 }
 
 fn declare() -> Result<Kernels> {
-    let strided = |name: &str, outputs: &[&str], source: &str| -> Result<CudaKernel> {
-        Ok(CudaKernel::with_layout(name, &["q", "k", "v"], outputs, source, "", false)?)
+    let strided = |name: &str, outputs: &[&str], head: &str, tail: &str| -> Result<CudaKernel> {
+        let source = format!("{head}{ATTEND_KEYS}{tail}");
+        Ok(CudaKernel::with_layout(name, &["q", "k", "v"], outputs, &source, "", false)?)
     };
     Ok(Kernels {
-        whole: strided("quince_one_query_attention", &["out"], SOURCE)?,
-        split: strided("quince_one_query_split", &["sums", "stats"], SPLIT_SOURCE)?,
+        whole: strided("quince_one_query_attention", &["out"], WHOLE_HEAD, WHOLE_TAIL)?,
+        split: strided("quince_one_query_split", &["sums", "stats"], SPLIT_HEAD, SPLIT_TAIL)?,
         merge: CudaKernel::new(
             "quince_one_query_merge",
             &["sums", "stats"],
