@@ -259,7 +259,9 @@ impl CudaKernel {
     }
 
     /// Builds a launch over `inputs` (lazily, like any op) making outputs of the given shapes
-    /// and dtypes.
+    /// and dtypes. The first call of each launch configuration (template arguments, grid,
+    /// block, input and output dtypes) generates the kernel's source; later calls reuse that
+    /// call's primitive, so they cost the host no more than a built-in op's graph node.
     #[track_caller]
     pub fn call(
         &self,
