@@ -48,6 +48,24 @@ fn on_and_off<T>(f: impl Fn() -> T) -> (T, T) {
     (on, off)
 }
 
+/// RMS norm over the last axis in f32 from plain ops (`x · rsqrt(mean(x²) + eps) · w`): a
+/// reference independent of `fast::rms_norm`, so the test also fails on the CPU when the
+/// route is wrong.
+fn plain_norm(x: &Array, w: &Array) -> Array {
+    let mean = f32(x).square().unwrap().mean(&[-1], true).unwrap();
+    let n = mean.add_scalar(1e-6).unwrap().rsqrt().unwrap();
+    f32(x).multiply(&n).unwrap().multiply(&f32(w)).unwrap()
+}
+
+/// `got` against an f32 reference: 1e-5 of the largest value in f32, a few bf16 roundings in
+/// bf16 (each op of the route rounds once).
+fn assert_near_reference(got: &Array, reference: &Array, what: &str) {
+    let scale = max_abs(reference).max(1.0);
+    let diff = max_abs(&f32(got).subtract(reference).unwrap());
+    let allowed = if got.dtype() == Dtype::Float32 { 1e-5 } else { 4.0 * 2f32.powi(-8) } * scale;
+    assert!(diff <= allowed, "{what}: {diff} from the reference > {allowed}");
+}
+
 #[test]
 fn residual_norm_equals_its_mlx_ops() {
     for dtype in [Dtype::Float32, Dtype::Bfloat16] {
@@ -67,6 +85,15 @@ fn residual_norm_equals_its_mlx_ops() {
                     let (on, off) =
                         on_and_off(|| fused::residual_norm(&h, &x, &a, scale, next).unwrap());
                     assert_close(&on.0, &off.0, &format!("{what}: sum"));
+                    let mut sum = f32(&h).add(&plain_norm(&x, a.weight().unwrap())).unwrap();
+                    if let Some(s) = scale {
+                        sum = sum.multiply(&f32(s)).unwrap();
+                    }
+                    assert_near_reference(&off.0, &sum, &format!("{what}: sum"));
+                    if let (Some(normed), Some(b)) = (&off.1, next) {
+                        let want = plain_norm(&off.0, b.weight().unwrap());
+                        assert_near_reference(normed, &want, &format!("{what}: norm"));
+                    }
                     assert_eq!(on.1.is_some(), next.is_some(), "{what}: a norm only when asked");
                     if let (Some(n_on), Some(n_off)) = (&on.1, &off.1) {
                         assert_close(n_on, n_off, &format!("{what}: norm"));
