@@ -168,6 +168,10 @@ pub struct BenchArgs {
     /// rotary embeddings and gated activations (`off`: MLX ops, for A/B runs).
     #[arg(long, value_enum, default_value = "on")]
     decode_fusion: Switch,
+    /// Whether a decode step on CUDA writes its keys and values inside the attention kernel
+    /// (`off`: MLX's slice update and a slice per cache, for A/B runs).
+    #[arg(long, value_enum, default_value = "on")]
+    buffer_reads: Switch,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -503,6 +507,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     }
     engine::cache::set_decode_attention(args.decode_attention.into());
     engine::fused::set_decode_fusion(args.decode_fusion == Switch::On);
+    engine::cache::set_buffer_reads(args.buffer_reads == Switch::On);
     let model = load(&args.model)?;
     choose_compiled_decode(model.as_ref(), args.compile, args.no_compile);
     let weight_bytes = model.decode_weight_bytes();
@@ -544,6 +549,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let backend = mlx::Backend::current().name();
     let attention = format!("{:?}", engine::cache::decode_attention()).to_lowercase();
     let fusion = if engine::fused::decode_fusion() { "on" } else { "off" };
+    let buffer_reads = if engine::cache::buffer_reads_on() { "on" } else { "off" };
     if args.json {
         let line = if args.compare {
             json!({
@@ -551,6 +557,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
                 "compiled_decode": compiled,
                 "decode_attention": attention,
                 "decode_fusion": fusion,
+                "buffer_reads": buffer_reads,
                 "decode_weight_bytes": weight_bytes,
                 "decode_ops": census,
                 "quince": side(&ours),
@@ -563,6 +570,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             flat["compiled_decode"] = json!(compiled);
             flat["decode_attention"] = json!(attention);
             flat["decode_fusion"] = json!(fusion);
+            flat["buffer_reads"] = json!(buffer_reads);
             flat["decode_weight_bytes"] = json!(weight_bytes);
             flat["decode_ops"] = json!(census);
             flat
@@ -579,7 +587,10 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         args.gen_tokens,
         if compiled { "on" } else { "off" },
         if backend == "cuda" {
-            format!(" · decode attention {attention} · fused kernels {fusion}")
+            format!(
+                " · decode attention {attention} · fused kernels {fusion} · buffer reads \
+                 {buffer_reads}"
+            )
         } else {
             String::new()
         },

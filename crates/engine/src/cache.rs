@@ -12,7 +12,11 @@
 //! - the phase is the method name, never inferred from a length;
 //! - a rejected append (an error) leaves the cache unchanged;
 //! - a read owns its handles and stays valid after later appends (holding it across the next
-//!   append may make that append copy its buffer instead of writing in place);
+//!   append may make that append copy its buffer instead of writing in place), except a
+//!   *buffer read* ([`AttentionCache::append_decode_in_buffer`], CUDA decode): it names slots
+//!   of the live buffers and is valid for its own step only (the layers of that step, KV-sharing
+//!   ones included). Whatever a cache hands out that outlives a step (`stored`, `state`) makes
+//!   its next in-buffer write copy the buffers first;
 //! - [`Cache::signature`] names the storage and its geometry; persistence and reuse compare it
 //!   and fail closed on a mismatch;
 //! - speculation is a transaction ([`Cache::spec_round_begin`], then commit or
@@ -29,13 +33,18 @@ mod plain;
 mod rotating;
 mod rows;
 
+use std::cell::OnceCell;
 use std::collections::BTreeMap;
+use std::rc::Rc;
 
 use mlx::Array;
 use mlx::fast::{AttentionMask, scaled_dot_product_attention};
 
-pub use one_query::{DecodeAttention, decode_attention, set_decode_attention};
-pub(crate) use one_query::{tracing, tracing_step};
+pub use one_query::{
+    DecodeAttention, buffer_reads, buffer_reads_on, decode_attention, set_buffer_reads,
+    set_decode_attention,
+};
+pub(crate) use one_query::{buffer_reads_ready, tracing, tracing_step};
 pub use plain::PlainCache;
 pub use rotating::RotatingCache;
 pub use rows::{CacheRows, Keep};
@@ -81,11 +90,70 @@ pub struct AttentionRead {
     keys: Array,
     values: Array,
     mask: ReadMask,
+    /// Set for a buffer read: `keys`/`values` are the cache's whole buffers.
+    buffer: Option<BufferRead>,
+}
+
+/// The slots a buffer read attends (see [`AttentionCache::append_decode_in_buffer`]).
+#[derive(Debug, Clone)]
+struct BufferRead {
+    /// int32 `[n, skip]`: slots `0..n` but `skip` (−1 for none).
+    bounds: Array,
+    /// `n`, on the host (the kernel's grid).
+    n: i32,
+    /// The new position (`[B, Hkv, 1, D]` keys and values), attended too and written into
+    /// slot `skip` by the attention kernel.
+    fresh: Option<(Array, Array)>,
+    /// The slots valid once it is written (what the step's KV-sharing layers read).
+    after: i32,
+    /// Their bounds, made once for all the KV-sharing layers that read them.
+    after_bounds: Rc<OnceCell<Array>>,
 }
 
 impl AttentionRead {
     pub(crate) fn new(keys: Array, values: Array, mask: ReadMask) -> AttentionRead {
-        AttentionRead { keys, values, mask }
+        AttentionRead { keys, values, mask, buffer: None }
+    }
+
+    /// A buffer read of one decode step: the query attends slots `0..n` of `keys`/`values`
+    /// (whole buffers) but `skip`, and the new position `fresh`, which the attention kernel
+    /// writes into slot `skip`; afterwards slots `0..after` are valid.
+    pub(crate) fn in_buffer(
+        (keys, values): (Array, Array),
+        (n, skip): (i32, i32),
+        fresh: (Array, Array),
+        after: i32,
+    ) -> Result<AttentionRead> {
+        let bounds = Array::from_slice(&[n, skip], &[2])?;
+        let after_bounds = Rc::new(OnceCell::new());
+        let buffer = BufferRead { bounds, n, fresh: Some(fresh), after, after_bounds };
+        Ok(AttentionRead { keys, values, mask: ReadMask::None, buffer: Some(buffer) })
+    }
+
+    /// The read KV-sharing layers of the same step take: a buffer read's slots once the new
+    /// position is written (the kernel that writes it runs first: their queries depend on its
+    /// output); any other read as it is.
+    pub fn written(&self) -> Result<AttentionRead> {
+        let Some(buffer) = &self.buffer else { return Ok(self.clone()) };
+        if buffer.fresh.is_none() {
+            return Ok(self.clone());
+        }
+        let after = buffer.after;
+        let bounds = match buffer.after_bounds.get() {
+            Some(bounds) => bounds.clone(),
+            None => {
+                let bounds = Array::from_slice(&[after, -1], &[2])?;
+                buffer.after_bounds.set(bounds.clone()).ok();
+                bounds
+            }
+        };
+        let after_bounds = buffer.after_bounds.clone();
+        Ok(AttentionRead {
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+            mask: ReadMask::None,
+            buffer: Some(BufferRead { bounds, n: after, fresh: None, after, after_bounds }),
+        })
     }
 
     /// Attends queries `q` `[B, Hq, L, D]` (positional encoding applied; `Hq` a multiple of the
@@ -94,6 +162,21 @@ impl AttentionRead {
     /// queries are then the *last* `L` positions of the phase (a prefill that only needs the
     /// last row's logits).
     pub fn attend(&self, q: &Array, scale: f32) -> Result<Array> {
+        if let Some(buffer) = &self.buffer {
+            if q.dim(2)? != 1 {
+                return Err(Error::InvalidRequest(
+                    "a decode step's buffer read takes one query position".into(),
+                ));
+            }
+            let keys = one_query::Keys::Buffer {
+                k: &self.keys,
+                v: &self.values,
+                bounds: &buffer.bounds,
+                n: buffer.n,
+                fresh: buffer.fresh.as_ref().map(|(k, v)| (k, v)),
+            };
+            return one_query::attend_buffer(q, keys, scale);
+        }
         let trimmed;
         let mask = match &self.mask {
             ReadMask::None => AttentionMask::None,
@@ -121,7 +204,10 @@ impl AttentionRead {
 
     /// Number of key positions the read covers.
     pub fn len(&self) -> Result<usize> {
-        Ok(self.keys.dim(2)? as usize)
+        match &self.buffer {
+            Some(b) => Ok(b.n as usize + usize::from(b.fresh.is_some())),
+            None => Ok(self.keys.dim(2)? as usize),
+        }
     }
 
     /// Whether the read covers no position.
@@ -220,6 +306,20 @@ pub trait AttentionCache: Cache {
     /// Decode: one new position (`L` = 1). The query sees every stored position up to and
     /// including the new one, limited to the sliding window.
     fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead>;
+    /// Decode, as [`AttentionCache::append_decode`], for a step whose attention runs as the
+    /// one-query kernel (CUDA, where [`buffer_reads_on`] and the kernel works): the read is a *buffer read*
+    /// and the kernel writes the new position into the buffer itself, so the step has no
+    /// slice-update op and no slice (a write in place, which MLX ops would only do by
+    /// donation). `None` where this cache does not (inside a speculative round, a storage
+    /// without it); the caller then appends by `append_decode`.
+    fn append_decode_in_buffer(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<Option<AttentionRead>> {
+        let _ = (keys, values);
+        Ok(None)
+    }
     /// Window: `L` new positions, causal within the window; query `i` sees the earlier
     /// positions and window positions `0..=i`, limited to the sliding window.
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead>;

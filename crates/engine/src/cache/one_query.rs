@@ -15,7 +15,7 @@
 //! read's valid prefix of a larger buffer is a view, not a copy).
 
 use std::cell::{Cell, OnceCell};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use mlx::Array;
 use mlx::fast::{CudaKernel, Launch, TemplateArg};
@@ -165,13 +165,12 @@ const CHUNK: i32 = 256;
 /// one more op of host time).
 const SPLIT_ABOVE: i32 = 1024;
 
-/// What the one-pass and split kernels share, after the lines that set `bh` (the block's
-/// row·head) and its keys `[begin, end)`: block = one (row, query head), 16 warps; warp `w`
-/// takes keys `begin + w, begin + w + 16, …`; lane `l` holds dims `l, l + 32, …` (each load of
-/// a key row is 32 consecutive elements across the warp). Scores and the softmax are f32, an
-/// online softmax per warp; the warps are then merged to the block's maximum score `top` and
-/// denominator `total`, and `warp_num(d)` gives dim `d`'s weighted sum relative to `top`.
-const ATTEND_KEYS: &str = r"
+/// What every one-query kernel shares, after the lines that set `bh` (the block's row·head),
+/// its buffer slots `[begin, end)` and a slot to `skip` (−1 for none): block = one (row, query
+/// head), 16 warps; lane `l` holds dims `l, l + 32, …` (each load of a key row is 32
+/// consecutive elements across the warp). `visit(key, value, key stride, value stride)` adds
+/// one key to the warp's online softmax (f32).
+const ATTEND_SETUP: &str = r"
     constexpr int WARPS = 16;
     constexpr int PER = D / 32;
     const int lane = threadIdx.x & 31;
@@ -194,15 +193,13 @@ const ATTEND_KEYS: &str = r"
     }
     float m = minus_inf;
     float l = 0.f;
-    for (int t = begin + warp; t < end; t += WARPS) {
-        const InT* kr = kb + static_cast<long long>(t) * k_strides[2];
-        const InT* vr = vb + static_cast<long long>(t) * v_strides[2];
+    auto visit = [&](const InT* kr, const InT* vr, long long ks, long long vs) {
         float vv[PER];
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
-            s += qv[i] * static_cast<float>(kr[(i * 32 + lane) * k_strides[3]]);
-            vv[i] = static_cast<float>(vr[(i * 32 + lane) * v_strides[3]]);
+            s += qv[i] * static_cast<float>(kr[(i * 32 + lane) * ks]);
+            vv[i] = static_cast<float>(vr[(i * 32 + lane) * vs]);
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -217,6 +214,29 @@ const ATTEND_KEYS: &str = r"
             acc[i] = acc[i] * c + p * vv[i];
         }
         m = mn;
+    };
+";
+
+/// The appending kernels' extra key: the new position (`k_new`, `v_new` `[B, Hkv, 1, D]`, not
+/// yet in the buffers), visited first by warp 0 of the block that starts at slot 0.
+const VISIT_NEW: &str = r"
+    const int group = heads / k_shape[1];
+    const InT* kn = k_new + b * k_new_strides[0] + kv * k_new_strides[1];
+    const InT* vn = v_new + b * v_new_strides[0] + kv * v_new_strides[1];
+    if (begin == 0 && warp == 0) {
+        visit(kn, vn, k_new_strides[3], v_new_strides[3]);
+    }
+";
+
+/// The keys of the buffer (warp `w` takes slots `begin + w, begin + w + 16, …`), then the
+/// warps merged to the block's maximum score `top` and denominator `total`; `warp_num(d)`
+/// gives dim `d`'s weighted sum relative to `top`.
+const ATTEND_LOOP: &str = r"
+    for (int t = begin + warp; t < end; t += WARPS) {
+        if (t != skip) {
+            visit(kb + static_cast<long long>(t) * k_strides[2],
+                  vb + static_cast<long long>(t) * v_strides[2], k_strides[3], v_strides[3]);
+        }
     }
     __shared__ float warp_max[WARPS];
     __shared__ float warp_sum[WARPS];
@@ -251,12 +271,34 @@ const ATTEND_KEYS: &str = r"
     };
 ";
 
+/// The appending kernels' write: the first query head of each KV head, in the block that
+/// starts at slot 0, stores the new position into slot `skip` of the buffers (which no block
+/// of the launch reads: a full ring's oldest position is out of the new query's window).
+const WRITE_NEW: &str = r"
+    if (h % group == 0 && begin == 0 && skip >= 0) {
+        InT* kw = const_cast<InT*>(kb) + static_cast<long long>(skip) * k_strides[2];
+        InT* vw = const_cast<InT*>(vb) + static_cast<long long>(skip) * v_strides[2];
+        for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+            kw[d * k_strides[3]] = kn[d * k_new_strides[3]];
+            vw[d * v_strides[3]] = vn[d * v_new_strides[3]];
+        }
+    }
+";
+
 /// The one-pass kernel: one block per (row, query head) over all its keys; the output is
 /// rounded once to the input dtype.
 const WHOLE_HEAD: &str = r"
     const int bh = blockIdx.x;
     const int begin = 0;
     const int end = k_shape[2];
+    const int skip = -1;
+";
+/// The one-pass kernel over a buffer's slots `[0, bounds[0])` but `bounds[1]`.
+const WHOLE_BOUNDED_HEAD: &str = r"
+    const int bh = blockIdx.x;
+    const int begin = 0;
+    const int end = bounds[0];
+    const int skip = bounds[1];
 ";
 const WHOLE_TAIL: &str = r"
     InT* o = out + static_cast<long long>(bh) * D;
@@ -274,6 +316,18 @@ const SPLIT_HEAD: &str = r"
     const int split = blockIdx.x - bh * splits;
     const int begin = split * CHUNK;
     const int end = min(keys, begin + CHUNK);
+    const int skip = -1;
+";
+/// The split pass over a buffer's slots `[0, bounds[0])` but `bounds[1]`; the number of
+/// splits is the launch's (its outputs' second axis), so a split may have no slot to read.
+const SPLIT_BOUNDED_HEAD: &str = r"
+    const int keys = bounds[0];
+    const int splits = gridDim.x / (q_shape[0] * q_shape[1]);
+    const int bh = blockIdx.x / splits;
+    const int split = blockIdx.x - bh * splits;
+    const int begin = split * CHUNK;
+    const int end = min(keys, begin + CHUNK);
+    const int skip = bounds[1];
 ";
 const SPLIT_TAIL: &str = r"
     const long long part = static_cast<long long>(bh) * splits + split;
@@ -309,10 +363,52 @@ const MERGE_SOURCE: &str = r"
     }
 ";
 
-/// The one-pass kernel and the split pair.
-struct Kernels {
+/// Which keys a launch reads besides its query.
+#[derive(Clone, Copy)]
+pub(crate) enum Keys<'a> {
+    /// Every position of `k`/`v` `[B, Hkv, S, D]` (views in any strides).
+    All { k: &'a Array, v: &'a Array },
+    /// Slots `[0, n)` of buffers `k`/`v` `[B, Hkv, capacity, D]` but one, as `bounds` says on
+    /// the device (int32 `[n, skip]`, `skip` −1 for none; `n` is also given on the host, for
+    /// the grid). With `fresh` (`[B, Hkv, 1, D]` keys and values of a new position), that
+    /// position is attended too and written into slot `skip`: a decode step's cache write and
+    /// its attention in one launch.
+    Buffer {
+        k: &'a Array,
+        v: &'a Array,
+        bounds: &'a Array,
+        n: i32,
+        fresh: Option<(&'a Array, &'a Array)>,
+    },
+}
+
+impl<'a> Keys<'a> {
+    fn k(&self) -> &'a Array {
+        match *self {
+            Keys::All { k, .. } | Keys::Buffer { k, .. } => k,
+        }
+    }
+
+    /// Positions attended (the grid's share of them: a buffer's slots plus the new one).
+    fn count(&self) -> Result<i32> {
+        Ok(match *self {
+            Keys::All { k, .. } => k.dim(2)?,
+            Keys::Buffer { n, fresh, .. } => n + i32::from(fresh.is_some()),
+        })
+    }
+}
+
+/// A one-pass kernel and a split pass for one kind of [`Keys`].
+struct Pair {
     whole: CudaKernel,
     split: CudaKernel,
+}
+
+/// The kernels of every kind of [`Keys`], and the merge the split passes share.
+struct Kernels {
+    all: Pair,
+    bounded: Pair,
+    appending: Pair,
     merge: CudaKernel,
 }
 
@@ -323,13 +419,27 @@ thread_local! {
 }
 
 fn declare() -> Result<Kernels> {
-    let strided = |name: &str, outputs: &[&str], head: &str, tail: &str| -> Result<CudaKernel> {
-        let source = format!("{head}{ATTEND_KEYS}{tail}");
-        Ok(CudaKernel::with_layout(name, &["q", "k", "v"], outputs, &source, "", false)?)
+    let pair = |name: &str, inputs: &[&str], heads: (&str, &str), middle: &str, write: &str| {
+        let kernel = |kind: &str, outputs: &[&str], head: &str, tail: &str| {
+            let source = format!("{head}{ATTEND_SETUP}{middle}{ATTEND_LOOP}{write}{tail}");
+            CudaKernel::with_layout(&format!("{name}_{kind}"), inputs, outputs, &source, "", false)
+        };
+        Ok::<Pair, Error>(Pair {
+            whole: kernel("whole", &["out"], heads.0, WHOLE_TAIL)?,
+            split: kernel("split", &["sums", "stats"], heads.1, SPLIT_TAIL)?,
+        })
     };
+    let bounded = (WHOLE_BOUNDED_HEAD, SPLIT_BOUNDED_HEAD);
     Ok(Kernels {
-        whole: strided("quince_one_query_attention", &["out"], WHOLE_HEAD, WHOLE_TAIL)?,
-        split: strided("quince_one_query_split", &["sums", "stats"], SPLIT_HEAD, SPLIT_TAIL)?,
+        all: pair("quince_one_query", &["q", "k", "v"], (WHOLE_HEAD, SPLIT_HEAD), "", "")?,
+        bounded: pair("quince_one_query_bounded", &["q", "k", "v", "bounds"], bounded, "", "")?,
+        appending: pair(
+            "quince_one_query_appending",
+            &["q", "k", "v", "k_new", "v_new", "bounds"],
+            bounded,
+            VISIT_NEW,
+            WRITE_NEW,
+        )?,
         merge: CudaKernel::new(
             "quince_one_query_merge",
             &["sums", "stats"],
@@ -339,42 +449,53 @@ fn declare() -> Result<Kernels> {
     })
 }
 
-/// Attends in one pass up to `split_above` keys, else in blocks of `chunk` keys and a merge.
+/// Attends in one pass up to `split_above` positions, else in blocks of `chunk` slots and a
+/// merge.
 fn launch(
     kernels: &Kernels,
-    (q, k, v): (&Array, &Array, &Array),
+    q: &Array,
+    keys: Keys<'_>,
     scale: f32,
     chunk: i32,
     split_above: i32,
 ) -> Result<Array> {
-    let (b, heads, _kv_heads, dim) = group_rows(q, k)?;
+    let (b, heads, _kv_heads, dim) = group_rows(q, keys.k())?;
     let threads = WARPS * 32;
-    let keys = k.dim(2)?;
     let first = |outputs: Vec<Array>| {
         outputs.into_iter().next().ok_or_else(|| {
             Error::InvalidRequest("the one-query kernel returned no output".to_string())
         })
+    };
+    let (pair, inputs, slots): (&Pair, Vec<&Array>, i32) = match keys {
+        Keys::All { k, v } => (&kernels.all, vec![q, k, v], k.dim(2)?),
+        Keys::Buffer { k, v, bounds, n, fresh: None } => {
+            (&kernels.bounded, vec![q, k, v, bounds], n)
+        }
+        Keys::Buffer { k, v, bounds, n, fresh: Some((k_new, v_new)) } => {
+            (&kernels.appending, vec![q, k, v, k_new, v_new, bounds], n)
+        }
     };
     let common = [
         ("InT", TemplateArg::Dtype(q.dtype())),
         ("D", TemplateArg::Int(dim)),
         ("SCALE_BITS", TemplateArg::Int(scale.to_bits() as i32)),
     ];
-    if keys <= split_above {
-        let outputs = kernels.whole.call(
-            &[q, k, v],
+    if keys.count()? <= split_above {
+        let outputs = pair.whole.call(
+            &inputs,
             &[(&[b, heads, 1, dim], q.dtype())],
             Launch { grid: [b * heads * threads, 1, 1], threadgroup: [threads, 1, 1] },
             &common,
         )?;
         return first(outputs);
     }
-    let splits = (keys + chunk - 1) / chunk;
+    // At least one split, which also takes a new position.
+    let splits = ((slots + chunk - 1) / chunk).max(1);
     let rows = b * heads;
     let mut template = common.to_vec();
     template.push(("CHUNK", TemplateArg::Int(chunk)));
-    let parts = kernels.split.call(
-        &[q, k, v],
+    let parts = pair.split.call(
+        &inputs,
         &[(&[rows, splits, dim], mlx::Dtype::Float32), (&[rows, splits, 2], mlx::Dtype::Float32)],
         Launch { grid: [rows * splits * threads, 1, 1], threadgroup: [threads, 1, 1] },
         &template,
@@ -391,37 +512,67 @@ fn launch(
     first(merged)
 }
 
-/// Compiles the kernels and runs them on a tiny input whose answer is known, so that a device
+/// Compiles the kernels and runs them on tiny inputs whose answer is known, so that a device
 /// or driver that cannot build them costs a warning, not a reply. Key `t` and value `t` are
-/// rows of `t` and the query is a row of 1/32, so the scores are 0, 1 and 2 and the output is
-/// `(e + 2e²) / (1 + e + e²)`: in one pass, and split in chunks of 2 keys (unequal splits
-/// with different maxima, which the merge must rescale).
+/// rows of `t` and the query is a row of 1/32, so scores 0, 1 and 2 give
+/// `(e + 2e²) / (1 + e + e²)`: in one pass, and split in chunks of 2 slots (unequal splits
+/// with different maxima, which the merge must rescale). The bounded kernels read slots 0, 1
+/// and 3 of a buffer `[0, 1, 9, 2]` (not slot 2); the appending ones slots 0 and 1 of
+/// `[0, 1, 9]` and a new position of 2, which they must write into slot 2 (split, the second
+/// split has no slot left to read).
 fn probe() -> Result<Kernels> {
     let kernels = declare()?;
-    let rows = mlx::ops::arange(0.0, 3.0, 1.0, mlx::Dtype::Float32)?
-        .reshape(&[1, 1, 3, 1])?
-        .broadcast_to(&[1, 1, 3, 32])?
-        .add_scalar(0.0)?;
+    let rows = |values: &[f32]| -> Result<Array> {
+        let n = values.len() as i32;
+        Ok(Array::from_slice(values, &[1, 1, n, 1])?
+            .broadcast_to(&[1, 1, n, 32])?
+            .add_scalar(0.0)?)
+    };
     let q = mlx::ops::ones(&[1, 2, 1, 32], mlx::Dtype::Float32)?.multiply_scalar(1.0 / 32.0)?;
     let e = std::f32::consts::E;
     let want = (e + 2.0 * e * e) / (1.0 + e + e * e);
-    for (chunk, split_above) in [(CHUNK, SPLIT_ABOVE), (2, 0)] {
-        let out = launch(&kernels, (&q, &rows, &rows), 1.0, chunk, split_above)?;
+    let check = |what: &str, out: &Array| -> Result<()> {
         let worst = out.add_scalar(-f64::from(want))?.abs()?.max_all(false)?.item::<f32>()?;
         if worst > 1e-5 {
-            return Err(Error::InvalidRequest(format!(
-                "the probe (chunks of {chunk} keys) is off by {worst}"
-            )));
+            return Err(Error::InvalidRequest(format!("the probe ({what}) is off by {worst}")));
+        }
+        Ok(())
+    };
+    let plain = rows(&[0.0, 1.0, 2.0])?;
+    let bounded = rows(&[0.0, 1.0, 9.0, 2.0])?;
+    let bounds = Array::from_slice(&[4i32, 2], &[2])?;
+    for (chunk, split_above) in [(CHUNK, SPLIT_ABOVE), (2, 0)] {
+        let at = format!("chunks of {chunk}");
+        let all = Keys::All { k: &plain, v: &plain };
+        check(&format!("{at}, all"), &launch(&kernels, &q, all, 1.0, chunk, split_above)?)?;
+        let read = Keys::Buffer { k: &bounded, v: &bounded, bounds: &bounds, n: 4, fresh: None };
+        check(&format!("{at}, bounded"), &launch(&kernels, &q, read, 1.0, chunk, split_above)?)?;
+        let (kbuf, vbuf) = (rows(&[0.0, 1.0, 9.0])?, rows(&[0.0, 1.0, 9.0])?);
+        kbuf.eval()?;
+        vbuf.eval()?;
+        let new = rows(&[2.0])?;
+        let slot = Array::from_slice(&[3i32, 2], &[2])?;
+        let fresh = Some((&new, &new));
+        let read = Keys::Buffer { k: &kbuf, v: &vbuf, bounds: &slot, n: 3, fresh };
+        let out = launch(&kernels, &q, read, 1.0, chunk, split_above)?;
+        check(&format!("{at}, appending"), &out)?;
+        out.eval()?;
+        for buffer in [&kbuf, &vbuf] {
+            let written = buffer.slice(&[0, 0, 2, 0], &[1, 1, 3, 32], &[1, 1, 1, 1])?;
+            let worst = written.add_scalar(-2.0)?.abs()?.max_all(false)?.item::<f32>()?;
+            if worst != 0.0 {
+                return Err(Error::InvalidRequest(format!(
+                    "the appending probe ({at}) did not write the new position: off by {worst}"
+                )));
+            }
         }
     }
     Ok(kernels)
 }
 
-/// Quince's one-query attention kernels (CUDA only): `q` `[B, Hq, 1, D]`, `k`/`v`
-/// `[B, Hkv, S, D]` in any strides → `[B, Hq, 1, D]`, in one pass, or split across blocks
-/// past [`SPLIT_ABOVE`] keys. `None` when the kernels do not work on this device (see
-/// [`probe`]).
-fn one_query_kernel(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Option<Array>> {
+/// Runs `f` with the one-query kernels, `None` when they do not work on this device (see
+/// [`probe`]; probed on first use).
+fn with_kernels<T>(f: impl FnOnce(Option<&Kernels>) -> T) -> T {
     KERNEL.with(|cell| {
         let kernels = cell.get_or_init(|| match probe() {
             Ok(kernels) => Some(kernels),
@@ -432,9 +583,69 @@ fn one_query_kernel(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Optio
                 None
             }
         });
+        f(kernels.as_ref())
+    })
+}
+
+/// Quince's one-query attention kernels (CUDA only): `q` `[B, Hq, 1, D]`, `k`/`v`
+/// `[B, Hkv, S, D]` in any strides → `[B, Hq, 1, D]`, in one pass, or split across blocks
+/// past [`SPLIT_ABOVE`] keys. `None` when the kernels do not work on this device.
+fn one_query_kernel(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Option<Array>> {
+    with_kernels(|kernels| {
         kernels
-            .as_ref()
-            .map(|kernels| launch(kernels, (q, k, v), scale, CHUNK, SPLIT_ABOVE))
+            .map(|kernels| launch(kernels, q, Keys::All { k, v }, scale, CHUNK, SPLIT_ABOVE))
             .transpose()
+    })
+}
+
+static BUFFER_READS_ON: AtomicBool = AtomicBool::new(true);
+
+/// Turns buffer reads (a decode step's cache write inside its attention kernel, CUDA) on or
+/// off for all threads from now on: on by default; off, a decode step writes by MLX's slice
+/// update and reads a slice (for A/B runs, `quince bench --buffer-reads`).
+pub fn set_buffer_reads(on: bool) {
+    BUFFER_READS_ON.store(on, Ordering::Relaxed);
+}
+
+/// Whether buffer reads are on (see [`set_buffer_reads`]).
+pub fn buffer_reads_on() -> bool {
+    BUFFER_READS_ON.load(Ordering::Relaxed)
+}
+
+/// Whether a decode step may write its keys and values inside the attention kernel
+/// ([`attend_buffer`]): on CUDA, with the kernel chosen and working, outside a traced step,
+/// for queries `q` `[B, Hq, 1, D]` and new keys `k` `[B, Hkv, 1, D]` the kernel takes.
+pub(crate) fn buffer_reads_ready(q: &Array, k: &Array) -> Result<bool> {
+    if mlx::Backend::current() != mlx::Backend::Cuda
+        || !buffer_reads_on()
+        || decode_attention() != DecodeAttention::Kernel
+        || TRACING.get()
+        || !kernel_applies(q, k)?
+    {
+        return Ok(false);
+    }
+    Ok(with_kernels(|kernels| kernels.is_some()))
+}
+
+thread_local! {
+    static BUFFER_READS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// How many buffer reads (one-query kernels over a cache's whole buffers, most of them
+/// writing a decode step's keys and values) this thread has built: what tests and
+/// benchmarks check to know the path ran.
+pub fn buffer_reads() -> usize {
+    BUFFER_READS.get()
+}
+
+/// Attends `q` `[B, Hq, 1, D]` over a buffer read ([`Keys::Buffer`]) with the kernel; only
+/// after [`buffer_reads_ready`] said yes.
+pub(crate) fn attend_buffer(q: &Array, keys: Keys<'_>, scale: f32) -> Result<Array> {
+    BUFFER_READS.set(BUFFER_READS.get() + 1);
+    with_kernels(|kernels| match kernels {
+        Some(kernels) => launch(kernels, q, keys, scale, CHUNK, SPLIT_ABOVE),
+        None => Err(Error::InvalidRequest(
+            "a buffer read needs the one-query attention kernel, which is off".into(),
+        )),
     })
 }

@@ -1,5 +1,7 @@
 //! A growable key/value buffer: every position ever appended stays visible.
 
+use std::cell::Cell;
+
 use mlx::{Array, ops};
 
 use super::{
@@ -20,6 +22,9 @@ pub struct PlainCache {
     offset: usize,
     /// The offset when the armed speculative round began.
     round: Option<usize>,
+    /// Whether something outside the cache may hold the buffers or views of them (a state, a
+    /// restored tensor): the next write in the buffer copies them first.
+    shared: Cell<bool>,
 }
 
 impl PlainCache {
@@ -33,18 +38,7 @@ impl PlainCache {
     fn write(&mut self, keys: &Array, values: &Array, length: usize) -> Result<(Array, Array)> {
         let start = self.offset as i32;
         let end = start + length as i32;
-        let (mut kbuf, mut vbuf) = match (&self.keys, &self.values) {
-            (Some(k), Some(v)) => (k.clone(), v.clone()),
-            _ => (empty_like(keys, 0)?, empty_like(values, 0)?),
-        };
-        let capacity = kbuf.dim(2)?;
-        if end > capacity {
-            let grow = (end - capacity + STEP - 1) / STEP * STEP;
-            let valid_k = kbuf.slice(&[0, 0, 0, 0], &bounds(&kbuf, start)?, &[1, 1, 1, 1])?;
-            let valid_v = vbuf.slice(&[0, 0, 0, 0], &bounds(&vbuf, start)?, &[1, 1, 1, 1])?;
-            kbuf = ops::concatenate(&[&valid_k, &empty_like(keys, capacity - start + grow)?], 2)?;
-            vbuf = ops::concatenate(&[&valid_v, &empty_like(values, capacity - start + grow)?], 2)?;
-        }
+        let (mut kbuf, mut vbuf) = self.reserve(keys, values, end)?;
         let kshape = keys.shape();
         let vshape = values.shape();
         kbuf = kbuf.slice_update(
@@ -66,6 +60,42 @@ impl PlainCache {
         self.offset += length;
         Ok((read_k, read_v))
     }
+}
+
+impl PlainCache {
+    /// The buffers, grown (in steps of [`STEP`] positions) to hold at least `end` positions;
+    /// new buffers shaped like `keys`/`values` when there are none.
+    fn reserve(&self, keys: &Array, values: &Array, end: i32) -> Result<(Array, Array)> {
+        let start = self.offset as i32;
+        let (mut kbuf, mut vbuf) = match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => (k.clone(), v.clone()),
+            _ => (empty_like(keys, 0)?, empty_like(values, 0)?),
+        };
+        let capacity = kbuf.dim(2)?;
+        if end > capacity {
+            let grow = (end - capacity + STEP - 1) / STEP * STEP;
+            let valid_k = kbuf.slice(&[0, 0, 0, 0], &bounds(&kbuf, start)?, &[1, 1, 1, 1])?;
+            let valid_v = vbuf.slice(&[0, 0, 0, 0], &bounds(&vbuf, start)?, &[1, 1, 1, 1])?;
+            kbuf = ops::concatenate(&[&valid_k, &empty_like(keys, capacity - start + grow)?], 2)?;
+            vbuf = ops::concatenate(&[&valid_v, &empty_like(values, capacity - start + grow)?], 2)?;
+        }
+        Ok((kbuf, vbuf))
+    }
+}
+
+/// The buffers as they are, or copies when something outside the cache may hold them (so a
+/// write in the buffer changes nothing anyone else sees).
+pub(crate) fn owned(shared: &Cell<bool>, kbuf: Array, vbuf: Array) -> Result<(Array, Array)> {
+    if shared.replace(false) {
+        return Ok((kbuf.add_scalar(0.0)?, vbuf.add_scalar(0.0)?));
+    }
+    Ok((kbuf, vbuf))
+}
+
+/// Whether buffers of `dtype` take a decode step's new `keys`/`values` in a buffer read (the
+/// kernel reads and writes one dtype, and one head size for keys and values).
+pub(crate) fn fits_buffer_read(dtype: mlx::Dtype, keys: &Array, values: &Array) -> Result<bool> {
+    Ok(keys.dtype() == dtype && values.dtype() == dtype && keys.dim(3)? == values.dim(3)?)
 }
 
 /// `[B, H, n, D]` zeros shaped like `like` along every axis but 2.
@@ -102,6 +132,7 @@ impl Cache for PlainCache {
             return Ok(None);
         };
         let end = self.offset as i32;
+        self.shared.set(true);
         Ok(Some((
             k.slice(&[0, 0, 0, 0], &bounds(k, end)?, &[1, 1, 1, 1])?,
             v.slice(&[0, 0, 0, 0], &bounds(v, end)?, &[1, 1, 1, 1])?,
@@ -113,6 +144,7 @@ impl Cache for PlainCache {
             return Err(Error::InvalidRequest("an empty cache has no state to save".into()));
         };
         let end = self.offset as i32;
+        self.shared.set(true);
         let keys = k.slice(&[0, 0, 0, 0], &bounds(k, end)?, &[1, 1, 1, 1])?;
         let values = v.slice(&[0, 0, 0, 0], &bounds(v, end)?, &[1, 1, 1, 1])?;
         Ok(state_of(self.signature(), self.offset, keys, values))
@@ -135,6 +167,7 @@ impl Cache for PlainCache {
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
         self.offset = offset;
+        self.shared.set(true);
         Ok(())
     }
 
@@ -183,6 +216,34 @@ impl AttentionCache for PlainCache {
         let length = check_append(keys, values, true)?;
         let (k, v) = self.write(keys, values, length)?;
         Ok(AttentionRead::new(k, v, ReadMask::None))
+    }
+
+    fn append_decode_in_buffer(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<Option<AttentionRead>> {
+        check_append(keys, values, true)?;
+        if self.round.is_some() {
+            return Ok(None);
+        }
+        let at = self.offset as i32;
+        let (kbuf, vbuf) = self.reserve(keys, values, at + 1)?;
+        if !fits_buffer_read(kbuf.dtype(), keys, values)? || vbuf.dtype() != kbuf.dtype() {
+            return Ok(None);
+        }
+        let (kbuf, vbuf) = owned(&self.shared, kbuf, vbuf)?;
+        // Slots 0..at are the stored positions; the kernel writes the new one into slot `at`.
+        let read = AttentionRead::in_buffer(
+            (kbuf.clone(), vbuf.clone()),
+            (at, at),
+            (keys.clone(), values.clone()),
+            at + 1,
+        )?;
+        self.keys = Some(kbuf);
+        self.values = Some(vbuf);
+        self.offset += 1;
+        Ok(Some(read))
     }
 
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {

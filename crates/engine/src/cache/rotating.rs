@@ -6,6 +6,8 @@
 //! the new ones (so every new query sees a full window of history) and keeps the last
 //! `window` of them.
 
+use std::cell::Cell;
+
 use mlx::{Array, Dtype, ops};
 
 use super::{
@@ -27,6 +29,9 @@ pub struct RotatingCache {
     offset: usize,
     /// The armed speculative round.
     round: Option<Round>,
+    /// Whether something outside the cache may hold the buffers or views of them: the next
+    /// write in the buffer copies them first.
+    shared: Cell<bool>,
 }
 
 /// What an armed round goes back to: the ring as it was, and every position appended since.
@@ -58,6 +63,7 @@ impl RotatingCache {
             cursor: 0,
             offset: 0,
             round: None,
+            shared: Cell::new(false),
         })
     }
 
@@ -229,6 +235,7 @@ impl Cache for RotatingCache {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Ok(None);
         };
+        self.shared.set(true);
         if self.len == self.window {
             return Ok(Some((k.clone(), v.clone())));
         }
@@ -243,6 +250,7 @@ impl Cache for RotatingCache {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Err(Error::InvalidRequest("an empty cache has no state to save".into()));
         };
+        self.shared.set(true);
         let keys =
             self.recent(k, self.len)?.ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
         let values =
@@ -284,6 +292,7 @@ impl Cache for RotatingCache {
         self.len = len;
         self.cursor = cursor;
         self.offset = offset;
+        self.shared.set(true);
         Ok(())
     }
 
@@ -402,6 +411,43 @@ impl AttentionCache for RotatingCache {
         self.offset += 1;
         self.record(keys, values);
         Ok(AttentionRead::new(read_k, read_v, ReadMask::None))
+    }
+
+    fn append_decode_in_buffer(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<Option<AttentionRead>> {
+        check_append(keys, values, true)?;
+        if self.round.is_some() {
+            return Ok(None);
+        }
+        let (kbuf, vbuf) = match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => (self.full_size(k)?, self.full_size(v)?),
+            _ => (self.empty_like(keys)?, self.empty_like(values)?),
+        };
+        if !super::plain::fits_buffer_read(kbuf.dtype(), keys, values)?
+            || vbuf.dtype() != kbuf.dtype()
+        {
+            return Ok(None);
+        }
+        let (kbuf, vbuf) = super::plain::owned(&self.shared, kbuf, vbuf)?;
+        // Slots 0..len hold the stored positions. The kernel writes the new one into the
+        // cursor's slot: past them while the ring fills, else the oldest, which has left the
+        // new query's window (the kernel skips it).
+        let len = (self.len + 1).min(self.window);
+        let read = AttentionRead::in_buffer(
+            (kbuf.clone(), vbuf.clone()),
+            (self.len as i32, self.cursor as i32),
+            (keys.clone(), values.clone()),
+            len as i32,
+        )?;
+        self.keys = Some(kbuf);
+        self.values = Some(vbuf);
+        self.len = len;
+        self.cursor = (self.cursor + 1) % self.window;
+        self.offset += 1;
+        Ok(Some(read))
     }
 
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {

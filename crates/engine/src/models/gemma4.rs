@@ -736,6 +736,7 @@ impl Attention {
             }
             _ => None,
         };
+        let by_kernel = fused.is_some();
         let (q, new_kv) = match fused {
             Some(heads) => (heads.q, heads.kv),
             None => {
@@ -751,14 +752,25 @@ impl Attention {
                 let cache = cache.ok_or_else(|| {
                     Error::InvalidRequest("a layer with keys and values needs a cache".into())
                 })?;
-                let read = match append {
-                    Append::Window => cache.append_window(&k, &v)?,
-                    Append::Decode => cache.append_decode(&k, &v)?,
-                    Append::Bidirectional(flags) => cache.append_bidirectional(&k, &v, flags)?,
+                // A decode step on CUDA writes its keys and values inside the attention
+                // kernel (no slice update, no slice).
+                let in_buffer = match append {
+                    Append::Decode if by_kernel && crate::cache::buffer_reads_ready(&q, &k)? => {
+                        cache.append_decode_in_buffer(&k, &v)?
+                    }
+                    _ => None,
+                };
+                let read = match (in_buffer, append) {
+                    (Some(read), _) => read,
+                    (None, Append::Window) => cache.append_window(&k, &v)?,
+                    (None, Append::Decode) => cache.append_decode(&k, &v)?,
+                    (None, Append::Bidirectional(flags)) => {
+                        cache.append_bidirectional(&k, &v, flags)?
+                    }
                 };
                 (read.clone(), Some(read))
             }
-            (None, Some(donor), _) => (donor.clone(), None),
+            (None, Some(donor), _) => (donor.written()?, None),
             _ => {
                 return Err(Error::InvalidRequest(
                     "KV-shared layer without its donor's read".into(),
@@ -804,7 +816,7 @@ impl Attention {
             k_norm,
         };
         let position = match position {
-            Position::At(p) => Array::scalar(*p)?,
+            Position::At(p) => position_array(*p)?,
             Position::Traced(p) => p.clone(),
         };
         fused::decode_heads(joined, &layout, &rope.spec(), &position)
@@ -845,6 +857,27 @@ impl Attention {
         let v = heads_first(raw_v, kv.kv_heads, self.head_dim, |v| kv.v_norm.forward(v))?;
         Ok((q, Some((k, v))))
     }
+}
+
+thread_local! {
+    /// The last position [`position_array`] made, which the other layers of its step reuse.
+    static POSITION: std::cell::RefCell<Option<(i32, Array)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// `p` as an int32 scalar array, one array for all the layers of a step.
+fn position_array(p: i32) -> Result<Array> {
+    POSITION.with(|cell| {
+        let mut last = cell.borrow_mut();
+        if let Some((at, array)) = last.as_ref()
+            && *at == p
+        {
+            return Ok(array.clone());
+        }
+        let array = Array::scalar(p)?;
+        *last = Some((p, array.clone()));
+        Ok(array)
+    })
 }
 
 /// A projection `[B, L, H·D]` as heads `[B, H, L, D]`, with `norm` applied over `D`. For one

@@ -663,3 +663,68 @@ fn every_decode_attention_route_equals_mlx_attention() {
     }
     set_decode_attention(DecodeAttention::Kernel);
 }
+
+/// On CUDA a decode step writes its keys and values inside the attention kernel (a buffer
+/// read, `append_decode_in_buffer`). For a growing buffer and for a ring that wraps, each read
+/// equals exact attention over the positions `append_decode` stores, and so does the read the
+/// step's KV-sharing layers take after the write. A state taken before a trim (its keys are a
+/// view of the buffer's slots the next appends rewrite) or while the ring's oldest slot is 0
+/// (a view of the whole ring) stays as it was: the next write copies the buffers first.
+/// Elsewhere the kernel does not exist and the test says so.
+#[test]
+fn buffer_reads_write_in_the_kernel_and_leave_states_alone() {
+    if mlx::Backend::current() != mlx::Backend::Cuda {
+        eprintln!("skipped: buffer reads run on CUDA only");
+        return;
+    }
+    let (heads, kv_heads, dim, scale) = (4, 2, 64, 0.125);
+    let values_of = |a: &Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+    for window in [None, Some(5usize)] {
+        let make = || -> Box<dyn AttentionCache> {
+            match window {
+                None => Box::new(PlainCache::new()),
+                Some(w) => Box::new(RotatingCache::new(w).unwrap()),
+            }
+        };
+        let (mut a, mut b) = (make(), make());
+        let (k0, v0) = (normal(&[1, kv_heads, 3, dim], 1), normal(&[1, kv_heads, 3, dim], 2));
+        a.append_window(&k0, &v0).unwrap();
+        b.append_window(&k0, &v0).unwrap();
+        let mut held = None;
+        for step in 0..14u64 {
+            let k = normal(&[1, kv_heads, 1, dim], 100 + step);
+            let v = normal(&[1, kv_heads, 1, dim], 200 + step);
+            let q = normal(&[1, heads, 1, dim], 300 + step);
+            let q_shared = normal(&[1, heads, 1, dim], 400 + step);
+            let launched = engine::cache::buffer_reads();
+            let read = a.append_decode_in_buffer(&k, &v).unwrap().expect("a buffer read");
+            b.append_decode(&k, &v).unwrap();
+            let (sk, sv) = b.stored().unwrap().unwrap();
+            let out = read.attend(&q, scale).unwrap();
+            let shared = read.written().unwrap().attend(&q_shared, scale).unwrap();
+            let diff = max_diff(&out, &exact_attention(&q, &sk, &sv, scale));
+            assert!(diff <= 1e-5, "{window:?} step {step}: the read is off by {diff}");
+            let diff = max_diff(&shared, &exact_attention(&q_shared, &sk, &sv, scale));
+            assert!(diff <= 1e-5, "{window:?} step {step}: the shared read is off by {diff}");
+            assert_eq!(engine::cache::buffer_reads(), launched + 2, "both reads ran the kernel");
+            assert_eq!(a.offset(), b.offset());
+            let take = match window {
+                None => step == 4,
+                Some(_) => held.is_none() && a.state().unwrap().metadata["cursor"] == "0",
+            };
+            if take {
+                let state = a.state().unwrap();
+                let before =
+                    (values_of(&state.tensors["keys"]), values_of(&state.tensors["values"]));
+                if window.is_none() {
+                    assert_eq!(a.trim(2).unwrap(), 2);
+                    assert_eq!(b.trim(2).unwrap(), 2);
+                }
+                held = Some((state, before));
+            }
+        }
+        let (state, (keys, values)) = held.expect("a state was taken");
+        assert_eq!(values_of(&state.tensors["keys"]), keys, "{window:?}: a held state changed");
+        assert_eq!(values_of(&state.tensors["values"]), values, "{window:?}: held values changed");
+    }
+}

@@ -215,6 +215,7 @@ fn stacked_and_fused_decode_matches_separate_projections_by_mlx_ops() {
             *picks.to_vec::<i32>().unwrap().last().unwrap()
         };
         let mut token = pick(&b);
+        let buffer_reads = engine::cache::buffer_reads();
         for step in 0..24 {
             let t = token_array(&[token as u32]).unwrap();
             engine::fused::set_decode_fusion(true);
@@ -232,6 +233,14 @@ fn stacked_and_fused_decode_matches_separate_projections_by_mlx_ops() {
             for kernel in ["quince_decode_heads", "quince_geglu", "quince_residual_norm"] {
                 assert!(used.contains(&kernel), "{name}: {kernel} did not run ({used:?})");
             }
+            // Every layer of every step: its own cache's write and read in one kernel, or a
+            // KV-sharing layer's read of the written buffers.
+            let config = std::fs::read_to_string(golden_dir(name).join("config.json")).unwrap();
+            let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+            let text = config.get("text_config").unwrap_or(&config);
+            let layers = text["num_hidden_layers"].as_u64().unwrap() as usize;
+            let reads = engine::cache::buffer_reads() - buffer_reads;
+            assert_eq!(reads, 24 * layers, "{name}: decode steps attended by buffer reads");
         }
     }
 }
