@@ -172,6 +172,10 @@ pub struct BenchArgs {
     /// (`off`: MLX's slice update and a slice per cache, for A/B runs).
     #[arg(long, value_enum, default_value = "on")]
     buffer_reads: Switch,
+    /// Sleep this many µs on the host after each streamed token but the first (a diagnostic:
+    /// if decode slows by as much, the host is what bounds a step; if not, the GPU is).
+    #[arg(long, default_value_t = 0)]
+    host_delay_us: u64,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -683,7 +687,11 @@ fn bench_quince(
         }
         let mut first = None;
         let mut caches = model.new_caches()?;
+        let delay = std::time::Duration::from_micros(args.host_delay_us);
         let mut stats = run_generation(model, &mut caches, &request, |_| {
+            if first.is_some() && !delay.is_zero() {
+                std::thread::sleep(delay);
+            }
             first.get_or_insert_with(std::time::Instant::now);
             Flow::Continue
         })?

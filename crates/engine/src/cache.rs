@@ -44,7 +44,7 @@ pub use one_query::{
     DecodeAttention, buffer_reads, buffer_reads_on, decode_attention, set_buffer_reads,
     set_decode_attention,
 };
-pub(crate) use one_query::{buffer_reads_ready, tracing, tracing_step};
+pub(crate) use one_query::{buffer_reads_ready, buffer_steps_ready, tracing, tracing_step};
 pub use plain::PlainCache;
 pub use rotating::RotatingCache;
 pub use rows::{CacheRows, Keep};
@@ -99,15 +99,47 @@ pub struct AttentionRead {
 struct BufferRead {
     /// int32 `[n, skip]`: slots `0..n` but `skip` (−1 for none).
     bounds: Array,
-    /// `n`, on the host (the kernel's grid).
-    n: i32,
     /// The new position (`[B, Hkv, 1, D]` keys and values), attended too and written into
     /// slot `skip` by the attention kernel.
     fresh: Option<(Array, Array)>,
-    /// The slots valid once it is written (what the step's KV-sharing layers read).
+    /// The slots valid once it is written (what the step's KV-sharing layers read), and their
+    /// bounds, made once for all of those layers.
     after: i32,
-    /// Their bounds, made once for all the KV-sharing layers that read them.
     after_bounds: Rc<OnceCell<Array>>,
+}
+
+/// A storage's part of a decode step by buffer read: its whole buffers (grown to hold the new
+/// position, owned by the cache alone), the read's `[n, skip]` and the slots valid after.
+#[derive(Debug)]
+pub(crate) struct BufferStep {
+    pub(crate) keys: Array,
+    pub(crate) values: Array,
+    pub(crate) read: (i32, i32),
+    pub(crate) after: i32,
+}
+
+impl BufferStep {
+    /// The step's read, with the new position `fresh`.
+    pub(crate) fn into_read(self, fresh: (Array, Array)) -> Result<AttentionRead> {
+        let bounds = Array::from_slice(&[self.read.0, self.read.1], &[2])?;
+        let buffer = BufferRead {
+            bounds,
+            fresh: Some(fresh),
+            after: self.after,
+            after_bounds: Rc::new(OnceCell::new()),
+        };
+        Ok(AttentionRead::buffered(self.keys, self.values, buffer))
+    }
+
+    /// The step's [`DecodeFetch::Buffer`] slot for a compiled step.
+    pub(crate) fn into_slot(self) -> Result<DecodeSlot> {
+        let bounds = Array::from_slice(&[self.read.0, self.read.1], &[2])?;
+        let after = Array::from_slice(&[self.after, -1], &[2])?;
+        Ok(DecodeSlot {
+            fetch: DecodeFetch::Buffer,
+            inputs: vec![self.keys, self.values, bounds, after],
+        })
+    }
 }
 
 impl AttentionRead {
@@ -115,19 +147,8 @@ impl AttentionRead {
         AttentionRead { keys, values, mask, buffer: None }
     }
 
-    /// A buffer read of one decode step: the query attends slots `0..n` of `keys`/`values`
-    /// (whole buffers) but `skip`, and the new position `fresh`, which the attention kernel
-    /// writes into slot `skip`; afterwards slots `0..after` are valid.
-    pub(crate) fn in_buffer(
-        (keys, values): (Array, Array),
-        (n, skip): (i32, i32),
-        fresh: (Array, Array),
-        after: i32,
-    ) -> Result<AttentionRead> {
-        let bounds = Array::from_slice(&[n, skip], &[2])?;
-        let after_bounds = Rc::new(OnceCell::new());
-        let buffer = BufferRead { bounds, n, fresh: Some(fresh), after, after_bounds };
-        Ok(AttentionRead { keys, values, mask: ReadMask::None, buffer: Some(buffer) })
+    fn buffered(keys: Array, values: Array, buffer: BufferRead) -> AttentionRead {
+        AttentionRead { keys, values, mask: ReadMask::None, buffer: Some(buffer) }
     }
 
     /// The read KV-sharing layers of the same step take: a buffer read's slots once the new
@@ -138,22 +159,21 @@ impl AttentionRead {
         if buffer.fresh.is_none() {
             return Ok(self.clone());
         }
-        let after = buffer.after;
         let bounds = match buffer.after_bounds.get() {
             Some(bounds) => bounds.clone(),
             None => {
-                let bounds = Array::from_slice(&[after, -1], &[2])?;
+                let bounds = Array::from_slice(&[buffer.after, -1], &[2])?;
                 buffer.after_bounds.set(bounds.clone()).ok();
                 bounds
             }
         };
-        let after_bounds = buffer.after_bounds.clone();
-        Ok(AttentionRead {
-            keys: self.keys.clone(),
-            values: self.values.clone(),
-            mask: ReadMask::None,
-            buffer: Some(BufferRead { bounds, n: after, fresh: None, after, after_bounds }),
-        })
+        let written = BufferRead {
+            bounds,
+            fresh: None,
+            after: buffer.after,
+            after_bounds: buffer.after_bounds.clone(),
+        };
+        Ok(AttentionRead::buffered(self.keys.clone(), self.values.clone(), written))
     }
 
     /// Attends queries `q` `[B, Hq, L, D]` (positional encoding applied; `Hq` a multiple of the
@@ -172,7 +192,6 @@ impl AttentionRead {
                 k: &self.keys,
                 v: &self.values,
                 bounds: &buffer.bounds,
-                n: buffer.n,
                 fresh: buffer.fresh.as_ref().map(|(k, v)| (k, v)),
             };
             return one_query::attend_buffer(q, keys, scale);
@@ -205,8 +224,8 @@ impl AttentionRead {
     /// Number of key positions the read covers.
     pub fn len(&self) -> Result<usize> {
         match &self.buffer {
-            Some(b) => Ok(b.n as usize + usize::from(b.fresh.is_some())),
-            None => Ok(self.keys.dim(2)? as usize),
+            Some(b) if b.after >= 0 => Ok(b.after as usize),
+            _ => Ok(self.keys.dim(2)? as usize),
         }
     }
 
@@ -280,6 +299,11 @@ pub enum DecodeFetch {
     /// whole ring: inputs `[ring keys, ring values, slot]` (`slot` an int32 scalar), outputs
     /// the updated ring. The cache hands its buffers over, so the write happens in place.
     Ring,
+    /// A buffer read (CUDA, [`AttentionCache::append_decode_in_buffer`]): inputs `[keys
+    /// buffer, values buffer, bounds of the read, bounds after the write]`, no outputs (the
+    /// attention kernel writes the new position into the buffers). The shapes stay the same
+    /// from step to step, so the graph is traced with shapes, and holds Quince's kernels.
+    Buffer,
 }
 
 impl DecodeFetch {
@@ -288,6 +312,15 @@ impl DecodeFetch {
         match self {
             DecodeFetch::Concat => 2,
             DecodeFetch::Ring => 3,
+            DecodeFetch::Buffer => 4,
+        }
+    }
+
+    /// Number of graph outputs a slot of this kind takes back.
+    pub fn outputs(self) -> usize {
+        match self {
+            DecodeFetch::Concat | DecodeFetch::Ring => 2,
+            DecodeFetch::Buffer => 0,
         }
     }
 }
@@ -341,6 +374,13 @@ pub trait AttentionCache: Cache {
     /// cache's buffers: the caller ends the step with [`AttentionCache::end_decode_step`] or
     /// gives them back with [`AttentionCache::abort_decode_step`].
     fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
+        Ok(None)
+    }
+
+    /// Compiled decode by buffer reads (CUDA): this cache's [`DecodeFetch::Buffer`] slot, or
+    /// `None` when it cannot take part (as [`AttentionCache::begin_decode_step`]). The offset
+    /// advances at [`AttentionCache::end_decode_step`].
+    fn begin_buffer_step(&mut self) -> Result<Option<DecodeSlot>> {
         Ok(None)
     }
 
@@ -417,6 +457,11 @@ impl AttentionCache for TraceCache {
     fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         check_append(keys, values, true)?;
         let (k, v) = match self.fetch {
+            DecodeFetch::Buffer => {
+                return Err(Error::InvalidRequest(
+                    "a buffer slot of a traced step is read by the attention kernel".into(),
+                ));
+            }
             DecodeFetch::Concat => (
                 mlx::ops::concatenate(&[&self.inputs[0], keys], 2)?,
                 mlx::ops::concatenate(&[&self.inputs[1], values], 2)?,
@@ -430,6 +475,27 @@ impl AttentionCache for TraceCache {
         // Every stored position is visible to the new one: a ring only takes part once full,
         // when it holds exactly the window.
         Ok(AttentionRead::new(k, v, ReadMask::None))
+    }
+    fn append_decode_in_buffer(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<Option<AttentionRead>> {
+        check_append(keys, values, true)?;
+        let [kbuf, vbuf, bounds, after] = self.inputs.as_slice() else {
+            return Ok(None);
+        };
+        if self.fetch != DecodeFetch::Buffer {
+            return Ok(None);
+        }
+        let after_bounds = Rc::new(OnceCell::from(after.clone()));
+        let buffer = BufferRead {
+            bounds: bounds.clone(),
+            fresh: Some((keys.clone(), values.clone())),
+            after: -1,
+            after_bounds,
+        };
+        Ok(Some(AttentionRead::buffered(kbuf.clone(), vbuf.clone(), buffer)))
     }
     fn append_window(&mut self, _: &Array, _: &Array) -> Result<AttentionRead> {
         Err(trace_only())

@@ -12,7 +12,12 @@
 //!   the cache stores (a growing buffer and a filling ring), or [`DecodeFetch::Ring`] — the
 //!   step writes the new position into the full ring at a slot given as an array and reads
 //!   the whole ring, in place because the cache hands its buffers over;
-//! - the graph is shapeless, so one trace serves every length of stored positions.
+//! - the graph is shapeless, so one trace serves every length of stored positions;
+//! - on CUDA each cache is a [`DecodeFetch::Buffer`] slot instead: its whole buffers and the
+//!   bounds of the step's read go in, and Quince's attention kernel writes the new position
+//!   into the buffers ([`AttentionCache::append_decode_in_buffer`]). Those shapes stay the same
+//!   from step to step (until a buffer grows, when MLX traces again), so that graph is traced
+//!   with shapes and holds Quince's kernels, which a shapeless graph cannot.
 //!
 //! One graph is traced per sequence of slot kinds (in practice two per model: while the
 //! sliding windows fill, and after) and kept by the model for every later step and
@@ -56,9 +61,9 @@ impl Default for DecodeGraphs {
 }
 
 /// Whether a model compiles its decode step unless told otherwise: everywhere but on CUDA.
-/// There a step is bound by the host time MLX spends per op, and the one-query attention
-/// kernel (which a shapeless graph cannot hold, MLX cannot infer a custom kernel's shapes)
-/// removes more of it than the compiled step's fusions do; measured on an H200 in the README.
+/// There a step is bound by the host time MLX spends per op; the compiled step (buffer slots,
+/// with Quince's kernels) has nine ops fewer than the step op by op and decoded 2–4 % slower in
+/// same-session runs on an H200 (README).
 pub fn compiled_by_default() -> bool {
     mlx::Backend::current() != mlx::Backend::Cuda
 }
@@ -120,8 +125,11 @@ impl DecodeGraphs {
             return Ok(None);
         }
         let mut slots: Vec<DecodeSlot> = Vec::with_capacity(caches.len());
+        // On CUDA the caches are read in place by Quince's kernel, a graph traced with shapes.
+        let buffered = crate::cache::buffer_steps_ready();
         for cache in caches.iter_mut() {
-            match cache.begin_decode_step() {
+            let slot = if buffered { cache.begin_buffer_step() } else { cache.begin_decode_step() };
+            match slot {
                 Ok(Some(slot)) => slots.push(slot),
                 other => {
                     give_back(caches, slots);
@@ -137,11 +145,17 @@ impl DecodeGraphs {
             .map(|f| match f {
                 DecodeFetch::Concat => 'c',
                 DecodeFetch::Ring => 'r',
+                DecodeFetch::Buffer => 'b',
             })
             .collect();
         let outputs = self.call(&key, fetches, token, position, &slots, build);
         let outputs = match outputs {
-            Ok(outputs) if outputs.len() == extra + 2 * slots.len() => outputs,
+            Ok(outputs)
+                if outputs.len()
+                    == extra + slots.iter().map(|s| s.fetch.outputs()).sum::<usize>() =>
+            {
+                outputs
+            }
             failed => {
                 let why = match failed {
                     Ok(outputs) => format!("{} outputs for {} slots", outputs.len(), slots.len()),
@@ -160,7 +174,7 @@ impl DecodeGraphs {
         let mut rest = outputs.into_iter();
         let model: Vec<Array> = rest.by_ref().take(extra).collect();
         for (cache, fetch) in caches.iter_mut().zip(kinds) {
-            cache.end_decode_step(fetch, rest.by_ref().take(2).collect())?;
+            cache.end_decode_step(fetch, rest.by_ref().take(fetch.outputs()).collect())?;
         }
         self.count(|s| s.steps += 1);
         Ok(Some(model))

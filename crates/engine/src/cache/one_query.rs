@@ -369,17 +369,12 @@ pub(crate) enum Keys<'a> {
     /// Every position of `k`/`v` `[B, Hkv, S, D]` (views in any strides).
     All { k: &'a Array, v: &'a Array },
     /// Slots `[0, n)` of buffers `k`/`v` `[B, Hkv, capacity, D]` but one, as `bounds` says on
-    /// the device (int32 `[n, skip]`, `skip` −1 for none; `n` is also given on the host, for
-    /// the grid). With `fresh` (`[B, Hkv, 1, D]` keys and values of a new position), that
-    /// position is attended too and written into slot `skip`: a decode step's cache write and
-    /// its attention in one launch.
-    Buffer {
-        k: &'a Array,
-        v: &'a Array,
-        bounds: &'a Array,
-        n: i32,
-        fresh: Option<(&'a Array, &'a Array)>,
-    },
+    /// the device (int32 `[n, skip]`, `skip` −1 for none). With `fresh` (`[B, Hkv, 1, D]` keys
+    /// and values of a new position), that position is attended too and written into slot
+    /// `skip`: a decode step's cache write and its attention in one launch. The launch (one
+    /// pass or split, the number of splits) follows the capacity, not `n`, so one recorded
+    /// graph serves every step until the buffer grows.
+    Buffer { k: &'a Array, v: &'a Array, bounds: &'a Array, fresh: Option<(&'a Array, &'a Array)> },
 }
 
 impl<'a> Keys<'a> {
@@ -389,11 +384,11 @@ impl<'a> Keys<'a> {
         }
     }
 
-    /// Positions attended (the grid's share of them: a buffer's slots plus the new one).
+    /// Positions the launch is sized for (a buffer's capacity plus the new position).
     fn count(&self) -> Result<i32> {
         Ok(match *self {
             Keys::All { k, .. } => k.dim(2)?,
-            Keys::Buffer { n, fresh, .. } => n + i32::from(fresh.is_some()),
+            Keys::Buffer { k, fresh, .. } => k.dim(2)? + i32::from(fresh.is_some()),
         })
     }
 }
@@ -466,15 +461,14 @@ fn launch(
             Error::InvalidRequest("the one-query kernel returned no output".to_string())
         })
     };
-    let (pair, inputs, slots): (&Pair, Vec<&Array>, i32) = match keys {
-        Keys::All { k, v } => (&kernels.all, vec![q, k, v], k.dim(2)?),
-        Keys::Buffer { k, v, bounds, n, fresh: None } => {
-            (&kernels.bounded, vec![q, k, v, bounds], n)
-        }
-        Keys::Buffer { k, v, bounds, n, fresh: Some((k_new, v_new)) } => {
-            (&kernels.appending, vec![q, k, v, k_new, v_new, bounds], n)
+    let (pair, inputs): (&Pair, Vec<&Array>) = match keys {
+        Keys::All { k, v } => (&kernels.all, vec![q, k, v]),
+        Keys::Buffer { k, v, bounds, fresh: None } => (&kernels.bounded, vec![q, k, v, bounds]),
+        Keys::Buffer { k, v, bounds, fresh: Some((k_new, v_new)) } => {
+            (&kernels.appending, vec![q, k, v, k_new, v_new, bounds])
         }
     };
+    let slots = keys.k().dim(2)?;
     let common = [
         ("InT", TemplateArg::Dtype(q.dtype())),
         ("D", TemplateArg::Int(dim)),
@@ -545,7 +539,7 @@ fn probe() -> Result<Kernels> {
         let at = format!("chunks of {chunk}");
         let all = Keys::All { k: &plain, v: &plain };
         check(&format!("{at}, all"), &launch(&kernels, &q, all, 1.0, chunk, split_above)?)?;
-        let read = Keys::Buffer { k: &bounded, v: &bounded, bounds: &bounds, n: 4, fresh: None };
+        let read = Keys::Buffer { k: &bounded, v: &bounded, bounds: &bounds, fresh: None };
         check(&format!("{at}, bounded"), &launch(&kernels, &q, read, 1.0, chunk, split_above)?)?;
         let (kbuf, vbuf) = (rows(&[0.0, 1.0, 9.0])?, rows(&[0.0, 1.0, 9.0])?);
         kbuf.eval()?;
@@ -553,7 +547,7 @@ fn probe() -> Result<Kernels> {
         let new = rows(&[2.0])?;
         let slot = Array::from_slice(&[3i32, 2], &[2])?;
         let fresh = Some((&new, &new));
-        let read = Keys::Buffer { k: &kbuf, v: &vbuf, bounds: &slot, n: 3, fresh };
+        let read = Keys::Buffer { k: &kbuf, v: &vbuf, bounds: &slot, fresh };
         let out = launch(&kernels, &q, read, 1.0, chunk, split_above)?;
         check(&format!("{at}, appending"), &out)?;
         out.eval()?;
@@ -625,6 +619,17 @@ pub(crate) fn buffer_reads_ready(q: &Array, k: &Array) -> Result<bool> {
         return Ok(false);
     }
     Ok(with_kernels(|kernels| kernels.is_some()))
+}
+
+/// Whether a compiled decode step can read its caches by buffer reads
+/// ([`crate::cache::DecodeFetch::Buffer`]): on CUDA, buffer reads on, the kernel chosen and
+/// working (probed now if it was not yet).
+pub(crate) fn buffer_steps_ready() -> bool {
+    mlx::Backend::current() == mlx::Backend::Cuda
+        && buffer_reads_on()
+        && decode_attention() == DecodeAttention::Kernel
+        && !TRACING.get()
+        && with_kernels(|kernels| kernels.is_some())
 }
 
 thread_local! {

@@ -5,8 +5,9 @@ use std::cell::Cell;
 use mlx::{Array, ops};
 
 use super::{
-    AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, DecodeSlot, ReadMask,
-    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor, step_outputs,
+    AttentionCache, AttentionRead, BufferStep, Cache, CacheState, DecodeFetch, DecodeSlot,
+    ReadMask, check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor,
+    step_outputs,
 };
 use crate::error::{Error, Result};
 
@@ -63,6 +64,31 @@ impl PlainCache {
 }
 
 impl PlainCache {
+    /// The buffers of a decode step by buffer read, grown to hold the new position and owned:
+    /// shaped like the new `keys`/`values` when given, else like the stored ones (`None` when
+    /// there are none). `None` too inside a speculative round or where the dtypes or head
+    /// sizes do not fit the kernel. The offset is the caller's to advance.
+    fn buffer_step(&mut self, new: Option<(&Array, &Array)>) -> Result<Option<BufferStep>> {
+        if self.round.is_some() {
+            return Ok(None);
+        }
+        let at = self.offset as i32;
+        let (like_k, like_v) = match (new, &self.keys, &self.values) {
+            (Some((k, v)), _, _) => (k.clone(), v.clone()),
+            (None, Some(k), Some(v)) => (k.clone(), v.clone()),
+            _ => return Ok(None),
+        };
+        let (kbuf, vbuf) = self.reserve(&like_k, &like_v, at + 1)?;
+        if !fits_buffer_read(kbuf.dtype(), &like_k, &like_v)? || vbuf.dtype() != kbuf.dtype() {
+            return Ok(None);
+        }
+        let (kbuf, vbuf) = owned(&self.shared, kbuf, vbuf)?;
+        self.keys = Some(kbuf.clone());
+        self.values = Some(vbuf.clone());
+        // Slots 0..at are the stored positions; the kernel writes the new one into slot `at`.
+        Ok(Some(BufferStep { keys: kbuf, values: vbuf, read: (at, at), after: at + 1 }))
+    }
+
     /// The buffers, grown (in steps of [`STEP`] positions) to hold at least `end` positions;
     /// new buffers shaped like `keys`/`values` when there are none.
     fn reserve(&self, keys: &Array, values: &Array, end: i32) -> Result<(Array, Array)> {
@@ -224,24 +250,10 @@ impl AttentionCache for PlainCache {
         values: &Array,
     ) -> Result<Option<AttentionRead>> {
         check_append(keys, values, true)?;
-        if self.round.is_some() {
+        let Some(step) = self.buffer_step(Some((keys, values)))? else {
             return Ok(None);
-        }
-        let at = self.offset as i32;
-        let (kbuf, vbuf) = self.reserve(keys, values, at + 1)?;
-        if !fits_buffer_read(kbuf.dtype(), keys, values)? || vbuf.dtype() != kbuf.dtype() {
-            return Ok(None);
-        }
-        let (kbuf, vbuf) = owned(&self.shared, kbuf, vbuf)?;
-        // Slots 0..at are the stored positions; the kernel writes the new one into slot `at`.
-        let read = AttentionRead::in_buffer(
-            (kbuf.clone(), vbuf.clone()),
-            (at, at),
-            (keys.clone(), values.clone()),
-            at + 1,
-        )?;
-        self.keys = Some(kbuf);
-        self.values = Some(vbuf);
+        };
+        let read = step.into_read((keys.clone(), values.clone()))?;
         self.offset += 1;
         Ok(Some(read))
     }
@@ -266,6 +278,10 @@ impl AttentionCache for PlainCache {
         Ok(AttentionRead::new(k, v, ReadMask::Array(mask)))
     }
 
+    fn begin_buffer_step(&mut self) -> Result<Option<DecodeSlot>> {
+        self.buffer_step(None)?.map(BufferStep::into_slot).transpose()
+    }
+
     fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
         match (&self.keys, &self.values) {
             (Some(k), Some(v)) if self.round.is_none() => Ok(Some(concat_slot(k, v, self.offset)?)),
@@ -274,6 +290,11 @@ impl AttentionCache for PlainCache {
     }
 
     fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
+        if fetch == DecodeFetch::Buffer {
+            // The step's kernel wrote the new position into slot `offset`.
+            self.offset += 1;
+            return Ok(());
+        }
         let (keys, values) = step_outputs(outputs)?;
         if fetch != DecodeFetch::Concat {
             return Err(Error::InvalidRequest("a plain cache is read by concatenation".into()));

@@ -11,8 +11,9 @@ use std::cell::Cell;
 use mlx::{Array, Dtype, ops};
 
 use super::{
-    AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, DecodeSlot, ReadMask,
-    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor, step_outputs,
+    AttentionCache, AttentionRead, BufferStep, Cache, CacheState, DecodeFetch, DecodeSlot,
+    ReadMask, check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor,
+    step_outputs,
 };
 use crate::error::{Error, Result};
 
@@ -203,6 +204,47 @@ impl RotatingCache {
         self.cursor = cursor;
         self.offset += length;
         Ok(())
+    }
+
+    /// The ring of a decode step by buffer read, full-sized and owned: shaped like the new
+    /// `keys`/`values` when given, else like the stored ones (`None` when there are none).
+    /// `None` too inside a speculative round or where the dtypes or head sizes do not fit the
+    /// kernel. [`RotatingCache::advance`] is the caller's.
+    fn buffer_step(&mut self, new: Option<(&Array, &Array)>) -> Result<Option<BufferStep>> {
+        if self.round.is_some() {
+            return Ok(None);
+        }
+        let (kbuf, vbuf) = match (new, &self.keys, &self.values) {
+            (_, Some(k), Some(v)) => (self.full_size(k)?, self.full_size(v)?),
+            (Some((k, v)), _, _) => (self.empty_like(k)?, self.empty_like(v)?),
+            _ => return Ok(None),
+        };
+        let (like_k, like_v) = new.unwrap_or((&kbuf, &vbuf));
+        if !super::plain::fits_buffer_read(kbuf.dtype(), like_k, like_v)?
+            || vbuf.dtype() != kbuf.dtype()
+        {
+            return Ok(None);
+        }
+        let (kbuf, vbuf) = super::plain::owned(&self.shared, kbuf, vbuf)?;
+        self.keys = Some(kbuf.clone());
+        self.values = Some(vbuf.clone());
+        // Slots 0..len hold the stored positions. The kernel writes the new one into the
+        // cursor's slot: past them while the ring fills, else the oldest, which has left the
+        // new query's window (the kernel skips it).
+        let after = (self.len + 1).min(self.window) as i32;
+        Ok(Some(BufferStep {
+            keys: kbuf,
+            values: vbuf,
+            read: (self.len as i32, self.cursor as i32),
+            after,
+        }))
+    }
+
+    /// Moves past a position a decode step's kernel wrote into the cursor's slot.
+    fn advance(&mut self) {
+        self.len = (self.len + 1).min(self.window);
+        self.cursor = (self.cursor + 1) % self.window;
+        self.offset += 1;
     }
 
     /// Records an append of the armed round.
@@ -419,34 +461,11 @@ impl AttentionCache for RotatingCache {
         values: &Array,
     ) -> Result<Option<AttentionRead>> {
         check_append(keys, values, true)?;
-        if self.round.is_some() {
+        let Some(step) = self.buffer_step(Some((keys, values)))? else {
             return Ok(None);
-        }
-        let (kbuf, vbuf) = match (&self.keys, &self.values) {
-            (Some(k), Some(v)) => (self.full_size(k)?, self.full_size(v)?),
-            _ => (self.empty_like(keys)?, self.empty_like(values)?),
         };
-        if !super::plain::fits_buffer_read(kbuf.dtype(), keys, values)?
-            || vbuf.dtype() != kbuf.dtype()
-        {
-            return Ok(None);
-        }
-        let (kbuf, vbuf) = super::plain::owned(&self.shared, kbuf, vbuf)?;
-        // Slots 0..len hold the stored positions. The kernel writes the new one into the
-        // cursor's slot: past them while the ring fills, else the oldest, which has left the
-        // new query's window (the kernel skips it).
-        let len = (self.len + 1).min(self.window);
-        let read = AttentionRead::in_buffer(
-            (kbuf.clone(), vbuf.clone()),
-            (self.len as i32, self.cursor as i32),
-            (keys.clone(), values.clone()),
-            len as i32,
-        )?;
-        self.keys = Some(kbuf);
-        self.values = Some(vbuf);
-        self.len = len;
-        self.cursor = (self.cursor + 1) % self.window;
-        self.offset += 1;
+        let read = step.into_read((keys.clone(), values.clone()))?;
+        self.advance();
         Ok(Some(read))
     }
 
@@ -463,6 +482,10 @@ impl AttentionCache for RotatingCache {
         let length = check_append(keys, values, false)?;
         super::check_flags(flags, length)?;
         self.append_span(keys, values, Some(flags))
+    }
+
+    fn begin_buffer_step(&mut self) -> Result<Option<DecodeSlot>> {
+        self.buffer_step(None)?.map(BufferStep::into_slot).transpose()
     }
 
     fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
@@ -484,6 +507,10 @@ impl AttentionCache for RotatingCache {
     }
 
     fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
+        if fetch == DecodeFetch::Buffer {
+            self.advance();
+            return Ok(());
+        }
         let (keys, values) = step_outputs(outputs)?;
         self.keys = Some(keys);
         self.values = Some(values);

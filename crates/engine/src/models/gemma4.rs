@@ -564,12 +564,16 @@ impl Gemma4Text {
     /// slot…]`.
     fn decode_graph(&self, fetches: Vec<DecodeFetch>) -> Result<mlx::Compiled> {
         let twin = self.tracing_twin()?;
-        Ok(mlx::compile(move |inputs: &[Array]| twin.traced_decode(inputs, &fetches), true)?)
+        // Buffer slots keep their shapes from step to step (and hold custom kernels, whose
+        // shapes MLX cannot infer): traced with shapes. Otherwise shapeless.
+        let shapeless = !fetches.contains(&DecodeFetch::Buffer);
+        Ok(mlx::compile(move |inputs: &[Array]| twin.traced_decode(inputs, &fetches), shapeless)?)
     }
 
     /// The body of a compiled decode step, run by MLX while it traces.
     fn traced_decode(&self, inputs: &[Array], fetches: &[DecodeFetch]) -> mlx::Result<Vec<Array>> {
-        let _tracing = crate::cache::tracing_step();
+        let shapeless = !fetches.contains(&DecodeFetch::Buffer);
+        let _tracing = shapeless.then(crate::cache::tracing_step);
         let traced = || -> Result<Vec<Array>> {
             let wanted = 2 + fetches.iter().map(|f| f.inputs()).sum::<usize>();
             if inputs.len() != wanted {
@@ -736,7 +740,6 @@ impl Attention {
             }
             _ => None,
         };
-        let by_kernel = fused.is_some();
         let (q, new_kv) = match fused {
             Some(heads) => (heads.q, heads.kv),
             None => {
@@ -755,7 +758,7 @@ impl Attention {
                 // A decode step on CUDA writes its keys and values inside the attention
                 // kernel (no slice update, no slice).
                 let in_buffer = match append {
-                    Append::Decode if by_kernel && crate::cache::buffer_reads_ready(&q, &k)? => {
+                    Append::Decode if crate::cache::buffer_reads_ready(&q, &k)? => {
                         cache.append_decode_in_buffer(&k, &v)?
                     }
                     _ => None,
