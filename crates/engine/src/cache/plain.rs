@@ -78,9 +78,17 @@ impl PlainCache {
             (None, Some(k), Some(v)) => (k.clone(), v.clone()),
             _ => return Ok(None),
         };
+        let capacity = match &self.keys {
+            Some(k) => k.dim(2)?,
+            None => 0,
+        };
         let (kbuf, vbuf) = self.reserve(&like_k, &like_v, at + 1)?;
         if !fits_buffer_read(kbuf.dtype(), &like_k, &like_v)? || vbuf.dtype() != kbuf.dtype() {
             return Ok(None);
+        }
+        if at + 1 > capacity {
+            // Grown: new buffers that nobody else holds.
+            self.shared.set(false);
         }
         let (kbuf, vbuf) = owned(&self.shared, kbuf, vbuf)?;
         self.keys = Some(kbuf.clone());

@@ -669,7 +669,8 @@ fn every_decode_attention_route_equals_mlx_attention() {
 /// equals exact attention over the positions `append_decode` stores, and so does the read the
 /// step's KV-sharing layers take after the write. A state taken before a trim (its keys are a
 /// view of the buffer's slots the next appends rewrite) or while the ring's oldest slot is 0
-/// (a view of the whole ring) stays as it was: the next write copies the buffers first.
+/// (a view of the whole ring) stays as it was, also when a cache restored from it decodes:
+/// the next write copies the buffers first.
 /// Elsewhere the kernel does not exist and the test says so.
 #[test]
 fn buffer_reads_write_in_the_kernel_and_leave_states_alone() {
@@ -724,6 +725,16 @@ fn buffer_reads_write_in_the_kernel_and_leave_states_alone() {
             }
         }
         let (state, (keys, values)) = held.expect("a state was taken");
+        // A cache restored from the state (a full ring with its oldest slot at 0 takes the
+        // state's tensors as its buffers) decodes without writing into them.
+        let mut restored = make();
+        restored.restore(&state).unwrap();
+        for step in 0..3u64 {
+            let k = normal(&[1, kv_heads, 1, dim], 600 + step);
+            let v = normal(&[1, kv_heads, 1, dim], 700 + step);
+            let read = restored.append_decode_in_buffer(&k, &v).unwrap().expect("a buffer read");
+            read.attend(&normal(&[1, heads, 1, dim], 800 + step), scale).unwrap().eval().unwrap();
+        }
         assert_eq!(values_of(&state.tensors["keys"]), keys, "{window:?}: a held state changed");
         assert_eq!(values_of(&state.tensors["values"]), values, "{window:?}: held values changed");
     }
