@@ -13,6 +13,11 @@
 //! merges their partial softmaxes (with one block per head, a long read would keep only a few
 //! of the GPU's multiprocessors busy). The keys and values are read through their strides (a
 //! read's valid prefix of a larger buffer is a view, not a copy).
+//!
+//! Three kinds of launch ([`Keys`]): all positions of `k`/`v`; a *bounded* read of a cache's
+//! whole buffers, its slots given on the device; and an *appending* read, which also attends a
+//! decode step's new position and writes it into the buffers (a buffer read, see
+//! `AttentionCache::append_decode_in_buffer`), so the step needs no slice update and no slice.
 
 use std::cell::{Cell, OnceCell};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
