@@ -10,6 +10,7 @@ mod bench_ops;
 mod bench_spec;
 mod converse;
 mod doctor;
+mod host_profile;
 mod pull;
 mod run;
 

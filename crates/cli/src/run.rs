@@ -172,10 +172,26 @@ pub struct BenchArgs {
     /// (`off`: MLX's slice update and a slice per cache, for A/B runs).
     #[arg(long, value_enum, default_value = "on")]
     buffer_reads: Switch,
+    /// Whether decoding on CUDA builds each step's graph while an evaluator thread has MLX
+    /// record the step before it (`off`, the default: one thread does both in turn).
+    #[arg(long, value_enum, default_value = "off")]
+    overlap: Switch,
     /// Sleep this many µs on the host after each streamed token but the first (a diagnostic:
     /// if decode slows by as much, the host is what bounds a step; if not, the GPU is).
     #[arg(long, default_value_t = 0)]
     host_delay_us: u64,
+    /// Sample the host's stacks while the timed runs decode and write them, folded (one
+    /// `thread;outer;…;inner count` line per stack), to this file. Needs a build with
+    /// `--features host-profile`.
+    #[arg(long)]
+    host_profile: Option<PathBuf>,
+    /// After the timed runs, decode `--gen-tokens` more steps without reading any token back
+    /// and time each step on the GPU's own clock (CUDA only): `gpu_ms_per_step` is from the
+    /// step's first kernel to its last, `gpu_gap_ms` the GPU's wait between steps. With
+    /// `MLX_MAX_OPS_PER_BUFFER` above a step's op count, MLX sends each step as one graph
+    /// once it is recorded, so the first figure is the GPU's time alone.
+    #[arg(long)]
+    gpu_clock: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -512,6 +528,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     engine::cache::set_decode_attention(args.decode_attention.into());
     engine::fused::set_decode_fusion(args.decode_fusion == Switch::On);
     engine::cache::set_buffer_reads(args.buffer_reads == Switch::On);
+    engine::generate::set_overlapped_decode(args.overlap == Switch::On);
     let model = load(&args.model)?;
     choose_compiled_decode(model.as_ref(), args.compile, args.no_compile);
     let weight_bytes = model.decode_weight_bytes();
@@ -554,6 +571,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let attention = format!("{:?}", engine::cache::decode_attention()).to_lowercase();
     let fusion = if engine::fused::decode_fusion() { "on" } else { "off" };
     let buffer_reads = if engine::cache::buffer_reads_on() { "on" } else { "off" };
+    let overlap = if engine::generate::overlapped_decode() { "on" } else { "off" };
     if args.json {
         let line = if args.compare {
             json!({
@@ -562,6 +580,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
                 "decode_attention": attention,
                 "decode_fusion": fusion,
                 "buffer_reads": buffer_reads,
+                "overlapped_decode": overlap,
                 "decode_weight_bytes": weight_bytes,
                 "decode_ops": census,
                 "quince": side(&ours),
@@ -575,6 +594,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             flat["decode_attention"] = json!(attention);
             flat["decode_fusion"] = json!(fusion);
             flat["buffer_reads"] = json!(buffer_reads);
+            flat["overlapped_decode"] = json!(overlap);
             flat["decode_weight_bytes"] = json!(weight_bytes);
             flat["decode_ops"] = json!(census);
             flat
@@ -593,7 +613,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         if backend == "cuda" {
             format!(
                 " · decode attention {attention} · fused kernels {fusion} · buffer reads \
-                 {buffer_reads}"
+                 {buffer_reads} · overlapped decode {overlap}"
             )
         } else {
             String::new()
@@ -623,6 +643,17 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
                 }
                 None => writeln!(out, "{label:<28} {a:>12.3}")?,
             }
+        }
+        if let Some(c) = run.get("gpu_clock") {
+            writeln!(
+                out,
+                "  GPU clock, {} unread steps: {:.3} ms per step on the GPU, {:.3} ms GPU wait \
+                 between steps, {:.3} ms per step wall",
+                c["steps"],
+                c["gpu_ms_per_step"].as_f64().unwrap_or(0.0),
+                c["gpu_gap_ms"].as_f64().unwrap_or(0.0),
+                c["wall_ms_per_step"].as_f64().unwrap_or(0.0)
+            )?;
         }
         if let Some(reference) = references.get(i) {
             writeln!(
@@ -711,10 +742,13 @@ fn bench_quince(
     };
     // Warm-up at full prompt length: kernels for every shape are built before timing.
     run_once(4)?;
+    let profile = crate::host_profile::Profile::start(args.host_profile.as_deref())?;
     let mut runs = Vec::new();
     for _ in 0..args.repeats.max(1) {
         runs.push(run_once(args.gen_tokens)?);
     }
+    profile.finish(prompt_tokens)?;
+    let clocked = if args.gpu_clock { gpu_clock_steps(model, args, &text)? } else { None };
     let median = |f: fn(&engine::generate::GenerationStats) -> f64| {
         let mut v: Vec<f64> = runs.iter().map(f).collect();
         v.sort_by(f64::total_cmp);
@@ -739,7 +773,60 @@ fn bench_quince(
     ours["build_ms_per_step"] = json!(s.decode_build_ms / steps);
     ours["decode_tok_s_runs"] = json!(runs.iter().map(|r| r.decode_tok_s).collect::<Vec<_>>());
     ours["kv_bytes_per_token"] = json!(kv_bytes);
+    if let Some(clocked) = clocked {
+        ours["gpu_clock"] = clocked;
+    }
     Ok(ours)
+}
+
+/// `--gpu-clock`: greedy decode steps after `prompt`, none read back until the end, each
+/// bracketed by two reads of the GPU clock. `None` off CUDA.
+fn gpu_clock_steps(
+    model: &dyn Model,
+    args: &BenchArgs,
+    prompt: &[u32],
+) -> anyhow::Result<Option<serde_json::Value>> {
+    let mut caches = model.new_caches()?;
+    let first =
+        run_generation(model, &mut caches, &GenerateRequest::new(prompt.to_vec(), 1), |_| {
+            Flow::Continue
+        })?;
+    let mut y = engine::models::gemma4::token_array(&first.tokens)?;
+    let mut clocks = Vec::with_capacity(args.gen_tokens);
+    let start = std::time::Instant::now();
+    for _ in 0..args.gen_tokens {
+        let Some(t0) = engine::fused::gpu_clock(&y)? else { return Ok(None) };
+        let logits = model.forward_decode(&y.reshape(&[1, 1])?, &mut caches)?;
+        let v = logits.dim(-1)?;
+        let next = logits.reshape(&[v])?.argmax(0, false)?.astype(mlx::Dtype::Uint32)?;
+        let Some(t1) = engine::fused::gpu_clock(&next)? else { return Ok(None) };
+        mlx::async_eval(&[&next, &t0, &t1])?;
+        clocks.push((t0, t1));
+        y = next;
+    }
+    y.eval()?;
+    let wall_ms = start.elapsed().as_secs_f64() * 1e3 / args.gen_tokens as f64;
+    let mut spans = Vec::new();
+    let mut gaps = Vec::new();
+    let mut last_end: Option<u64> = None;
+    for (t0, t1) in &clocks {
+        let (a, b) = (t0.item::<u64>()?, t1.item::<u64>()?);
+        spans.push(b.saturating_sub(a) as f64 / 1e6);
+        if let Some(end) = last_end {
+            gaps.push(a.saturating_sub(end) as f64 / 1e6);
+        }
+        last_end = Some(b);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    Ok(Some(json!({
+        "steps": args.gen_tokens,
+        "gpu_ms_per_step": median(&mut spans),
+        "gpu_gap_ms": median(&mut gaps),
+        "wall_ms_per_step": wall_ms,
+    })))
 }
 
 /// The reference's half of `quince bench --compare` at one prompt length, in its own process.

@@ -771,3 +771,56 @@ pub fn split_indices(sizes: &[i32]) -> Result<Vec<Array>> {
     mlx::eval(&indices.iter().collect::<Vec<_>>())?;
     Ok(indices)
 }
+
+// ---------------------------------------------------------------------------------------------
+// gpu_clock
+
+/// One thread reads the GPU's global nanosecond timer. The input is not read: it only orders
+/// the launch after the op that wrote it.
+const CLOCK_SOURCE: &str = r#"
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    now[0] = t;
+"#;
+
+static CLOCK: Spec = Spec {
+    name: "quince_gpu_clock",
+    inputs: &["after"],
+    outputs: &["now"],
+    source: CLOCK_SOURCE,
+    probe: probe_clock,
+};
+
+/// The GPU's clock in ns (a `uint64` scalar) read once `after` is written: a diagnostic for
+/// timing a stretch of GPU work from inside the stream (`quince bench --gpu-clock`). `None`
+/// off CUDA.
+pub fn gpu_clock(after: &Array) -> Result<Option<Array>> {
+    if mlx::Backend::current() != mlx::Backend::Cuda {
+        return Ok(None);
+    }
+    let Some(k) = kernel(&CLOCK) else { return Ok(None) };
+    clock_by(&k, after).map(Some)
+}
+
+fn clock_by(kernel: &CudaKernel, after: &Array) -> Result<Array> {
+    let out = kernel.call(
+        &[after],
+        &[(&[], Dtype::Uint64)],
+        Launch { grid: [1, 1, 1], threadgroup: [1, 1, 1] },
+        &[],
+    )?;
+    out.into_iter()
+        .next()
+        .ok_or_else(|| Error::InvalidRequest("the clock kernel returned no output".into()))
+}
+
+fn probe_clock(kernel: &Rc<CudaKernel>) -> Result<()> {
+    let first = clock_by(kernel, &Array::scalar(0i32)?)?;
+    let second = clock_by(kernel, &first)?;
+    mlx::eval(&[&first, &second])?;
+    let (a, b) = (first.item::<u64>()?, second.item::<u64>()?);
+    if a == 0 || b < a {
+        return Err(Error::InvalidRequest(format!("the GPU clock read {a} then {b}")));
+    }
+    Ok(())
+}

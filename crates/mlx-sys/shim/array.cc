@@ -154,6 +154,11 @@ void array_copy_to(const Array& a, rust::Slice<uint8_t> out) {
 
 void eval(const std::vector<Array>& arrays) { mx::eval(arrays); }
 void async_eval(const std::vector<Array>& arrays) { mx::async_eval(arrays); }
+
+void array_wait(const Array& a) {
+  Array handle = a;  // shares the node; `wait` is not const
+  handle.wait();
+}
 void eval_one(const Array& a) { mx::eval({a}); }
 
 rust::Vec<rust::String> graph_census(const std::vector<Array>& arrays) {

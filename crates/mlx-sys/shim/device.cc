@@ -37,6 +37,18 @@ void set_default_device(DeviceKind kind) { mx::set_default_device(mx::Device(to_
 
 void synchronize() { mx::synchronize(); }
 
+int32_t new_shared_gpu_stream() { return mx::new_thread_unsafe_stream(mx::Device::gpu).index; }
+
+int32_t default_gpu_stream() { return mx::default_stream(mx::Device::gpu).index; }
+
+void set_default_gpu_stream(int32_t index) {
+  mx::set_default_stream(mx::Stream(index, mx::Device::gpu));
+}
+
+void synchronize_gpu_stream(int32_t index) {
+  mx::synchronize(mx::Stream(index, mx::Device::gpu));
+}
+
 rust::Vec<StringPair> device_info(DeviceKind kind) {
   rust::Vec<StringPair> out;
   const auto& info = mx::device_info(mx::Device(to_type(kind)));

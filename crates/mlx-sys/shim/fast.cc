@@ -109,6 +109,9 @@ std::unique_ptr<std::vector<Array>> custom_kernel_call(
   for (size_t i = 0; i < dtypes.size(); ++i) {
     put(static_cast<int64_t>(dtypes[i].val()));
   }
+  // A primitive runs on the stream it was made on: one per stream (a thread's default stream
+  // is that thread's alone, and a decode loop may build on a shared one).
+  put(mx::default_stream(mx::default_device()).index);
   auto& cache = kernel.primitives;
   if (auto hit = cache.find(key); hit != cache.end()) {
     return boxed_vec(Array::make_arrays(std::move(shapes), dtypes, hit->second, inputs));

@@ -159,6 +159,9 @@ pub mod ffi {
         /// not yet scheduled (a multi-output node once).
         fn graph_census(arrays: &CxxVector<Array>) -> Vec<String>;
         fn eval_one(a: &Array) -> Result<()>;
+        /// Waits until `a` (already scheduled by an `async_eval`) is computed, without
+        /// scheduling anything: no stream is touched, so any thread may wait.
+        fn array_wait(a: &Array) -> Result<()>;
         fn vec_new() -> UniquePtr<CxxVector<Array>>;
         fn vec_push(v: Pin<&mut CxxVector<Array>>, a: &Array);
         fn vec_get(v: &CxxVector<Array>, index: usize) -> Result<UniquePtr<Array>>;
@@ -418,6 +421,15 @@ pub mod ffi {
         fn default_device_kind() -> Result<DeviceKind>;
         fn set_default_device(kind: DeviceKind) -> Result<()>;
         fn synchronize() -> Result<()>;
+        /// A new GPU stream that any thread may evaluate on (MLX's default streams belong to
+        /// the thread that made them); returns its index.
+        fn new_shared_gpu_stream() -> Result<i32>;
+        /// The index of this thread's default GPU stream.
+        fn default_gpu_stream() -> Result<i32>;
+        /// Makes GPU stream `index` this thread's default: the ops it builds run there.
+        fn set_default_gpu_stream(index: i32) -> Result<()>;
+        /// Waits for everything scheduled on GPU stream `index`.
+        fn synchronize_gpu_stream(index: i32) -> Result<()>;
         fn device_info(kind: DeviceKind) -> Result<Vec<StringPair>>;
         /// Physical RAM of the host (sysconf), 0 when unknown.
         fn system_memory_bytes() -> usize;

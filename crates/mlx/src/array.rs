@@ -287,6 +287,14 @@ impl Array {
         check(ffi::eval_one(self.raw()))
     }
 
+    /// Waits until the array, already scheduled by [`async_eval`], is computed. Unlike
+    /// [`Array::eval`] it schedules nothing and touches no stream, so a thread other than
+    /// the one evaluating may wait (then reading the value evaluates nothing either).
+    #[track_caller]
+    pub fn wait(&self) -> Result<()> {
+        check(ffi::array_wait(self.raw()))
+    }
+
     /// The elements in row-major order. Evaluates the array first. The element type must match
     /// the dtype exactly (use [`Array::astype`] to convert).
     #[track_caller]

@@ -125,6 +125,40 @@ pub fn synchronize() -> Result<()> {
     check(ffi::synchronize())
 }
 
+/// A GPU stream, by MLX's index. MLX gives each thread its own default stream and only that
+/// thread may evaluate on it; a [`GpuStream::new_shared`] stream may be evaluated on from any
+/// thread (one at a time: the caller orders the threads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuStream {
+    index: i32,
+}
+
+impl GpuStream {
+    /// A new stream that any thread may evaluate on.
+    #[track_caller]
+    pub fn new_shared() -> Result<GpuStream> {
+        Ok(GpuStream { index: check(ffi::new_shared_gpu_stream())? })
+    }
+
+    /// This thread's default GPU stream.
+    #[track_caller]
+    pub fn default_for_thread() -> Result<GpuStream> {
+        Ok(GpuStream { index: check(ffi::default_gpu_stream())? })
+    }
+
+    /// Makes this stream the thread's default: the GPU ops it builds from now on run there.
+    #[track_caller]
+    pub fn make_default(self) -> Result<()> {
+        check(ffi::set_default_gpu_stream(self.index))
+    }
+
+    /// Waits for everything scheduled on this stream.
+    #[track_caller]
+    pub fn synchronize(self) -> Result<()> {
+        check(ffi::synchronize_gpu_stream(self.index))
+    }
+}
+
 /// Memory accounting and limits of MLX's allocator.
 pub mod memory {
     use super::*;

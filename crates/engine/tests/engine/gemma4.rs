@@ -193,6 +193,59 @@ fn compiled_decode_matches_the_uncompiled_step() {
     }
 }
 
+/// Overlapped decoding (CUDA: an evaluator thread records step *t+1* while the engine thread
+/// builds step *t+2*) gives the single-thread loop's tokens, stop reasons and caches: over a
+/// sliding window that wraps, ending on a stop token, on the token limit (1, 2 and many), and
+/// for a second turn on the same caches, which also checks that the loop leaves the caches'
+/// in-kernel writes finished and the thread's own stream in place.
+#[test]
+fn overlapped_decode_matches_the_single_thread_loop() {
+    if mlx::Backend::current() != mlx::Backend::Cuda {
+        eprintln!("skipped: overlapped decoding runs on CUDA only");
+        return;
+    }
+    let run = |model: &dyn Model, prompt: &[u32], n: usize, stop: &[u32], overlap: bool| {
+        engine::generate::set_overlapped_decode(overlap);
+        let mut caches = model.new_caches().unwrap();
+        let request = GenerateRequest {
+            prefill_step: 16,
+            stop_tokens: stop.to_vec(),
+            ..GenerateRequest::new(prompt.to_vec(), n)
+        };
+        let loops = engine::generate::overlapped_loops();
+        let first = generate(model, &mut caches, &request, |_| Flow::Continue).unwrap();
+        let ran = engine::generate::overlapped_loops() > loops;
+        assert_eq!(ran, overlap && n > 1, "the overlapped loop ran: {ran}");
+        // A second turn on the same caches.
+        let next = GenerateRequest { stop_tokens: Vec::new(), ..request.clone() };
+        let second = generate(model, &mut caches, &next, |_| Flow::Continue).unwrap();
+        engine::generate::set_overlapped_decode(false);
+        (first.tokens, format!("{:?}", first.stop_reason), second.tokens, caches)
+    };
+    for name in ["dense", "dense_q4"] {
+        let model = models::load(golden_dir(name)).unwrap();
+        let prompt = golden(name).prompt[..5].to_vec();
+        let (all, ..) = run(model.as_ref(), &prompt, 40, &[], true);
+        for (n, stop) in [(40, vec![]), (40, vec![all[12]]), (1, vec![]), (2, vec![])] {
+            let on = run(model.as_ref(), &prompt, n, &stop, true);
+            let off = run(model.as_ref(), &prompt, n, &stop, false);
+            let case = format!("{name}, {n} tokens, stop {stop:?}");
+            assert_eq!((&on.0, &on.1, &on.2), (&off.0, &off.1, &off.2), "{case}: tokens");
+            if !stop.is_empty() {
+                assert!(on.0.len() <= 13 && on.0.last() == stop.first(), "{case}: {:?}", on.0);
+            }
+            for (i, (a, b)) in on.3.iter().zip(&off.3).enumerate() {
+                assert_eq!(a.offset(), b.offset(), "{case}: cache {i} offset");
+                let (a, b) = (a.state().unwrap(), b.state().unwrap());
+                for (key, tensor) in &a.tensors {
+                    let diff = max_diff(tensor, &b.tensors[key]);
+                    assert!(diff == 0.0, "{case}: cache {i} {key} differs by {diff}");
+                }
+            }
+        }
+    }
+}
+
 /// A model with stacked projections and the fused decode kernels (`engine::fused`) gives the
 /// logits and greedy tokens of one with separate projections decoding by MLX ops, on
 /// checkpoints with per-layer inputs, KV sharing, `attention_k_eq_v` and 4-bit weights. The

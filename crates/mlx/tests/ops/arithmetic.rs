@@ -156,3 +156,16 @@ fn a_pending_graph_from_another_thread_is_an_error_not_an_abort() {
     let message = result.expect_err("the pending graph names this thread's stream");
     assert!(message.contains("Stream"), "{message}");
 }
+
+#[test]
+fn another_thread_waits_for_a_scheduled_array_and_reads_it() {
+    let a = ops::arange(0.0, 100.0, 1.0, Dtype::Float32).unwrap();
+    let b = a.multiply(&a).unwrap().sum_all(false).unwrap();
+    mlx::async_eval(&[&b]).unwrap();
+    // Waiting schedules nothing, so the value is read without this thread's stream.
+    let handle = std::thread::spawn(move || {
+        b.wait().unwrap();
+        b.item::<f32>().unwrap()
+    });
+    assert_eq!(handle.join().unwrap(), 328_350.0);
+}

@@ -56,3 +56,22 @@ fn cuda_graph_ops_default_yields_to_the_environment() {
     assert!(!mlx::device::default_cuda_graph_ops(7).unwrap());
     assert_eq!(std::env::var(mlx::device::CUDA_GRAPH_OPS_VAR).unwrap(), "100");
 }
+
+#[test]
+fn a_shared_gpu_stream_is_an_error_without_a_gpu() {
+    if Device::Gpu.is_available().unwrap() {
+        // With a GPU: builds made on a shared stream run there.
+        let thread_default = device::GpuStream::default_for_thread().unwrap();
+        let shared = device::GpuStream::new_shared().unwrap();
+        assert_ne!(shared, thread_default);
+        shared.make_default().unwrap();
+        let x = ops::ones(&[4], Dtype::Float32).unwrap().sum_all(false).unwrap();
+        let value = std::thread::spawn(move || x.item::<f32>().unwrap()).join().unwrap();
+        assert_eq!(value, 4.0, "another thread evaluated on the shared stream");
+        shared.synchronize().unwrap();
+        thread_default.make_default().unwrap();
+        return;
+    }
+    assert!(device::GpuStream::new_shared().is_err());
+    assert!(device::GpuStream::default_for_thread().is_err());
+}
