@@ -633,6 +633,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             ("host_share", "  host time / decode step", false),
             ("host_ms_per_step", "  host ms per step", false),
             ("build_ms_per_step", "  of which graph building", false),
+            ("wait_ms_per_step", "  ms per step waiting for tokens", false),
         ] {
             let scale = if key == "peak_mem_bytes" { 1.0 / f64::from(1 << 20) } else { 1.0 };
             let Some(a) = run[key].as_f64().map(|v| v * scale) else { continue };
@@ -763,6 +764,7 @@ fn bench_quince(
         peak_mem_bytes: median(|s| s.peak_mem_bytes as f64) as usize,
         decode_host_ms: median(|s| s.decode_host_ms),
         decode_build_ms: median(|s| s.decode_build_ms),
+        decode_wait_ms: median(|s| s.decode_wait_ms),
     };
     let steps = s.generated_tokens.saturating_sub(1).max(1) as f64;
     let mut ours = stats_json(s);
@@ -771,6 +773,8 @@ fn bench_quince(
     ours["host_share"] = json!(s.decode_host_ms / steps * s.decode_tok_s / 1e3);
     // Of that, building the graph (ours) against MLX evaluating it.
     ours["build_ms_per_step"] = json!(s.decode_build_ms / steps);
+    // The engine thread waiting for tokens: near 0 host-bound, most of a step device-bound.
+    ours["wait_ms_per_step"] = json!(s.decode_wait_ms / steps);
     ours["decode_tok_s_runs"] = json!(runs.iter().map(|r| r.decode_tok_s).collect::<Vec<_>>());
     ours["kv_bytes_per_token"] = json!(kv_bytes);
     if let Some(clocked) = clocked {

@@ -235,10 +235,42 @@ fn bench_json_has_the_speed_fields() {
     let share = json["host_share"].as_f64().unwrap();
     assert!(host > 0.0);
     assert!((share - host * json["decode_tok_s"].as_f64().unwrap() / 1e3).abs() < 1e-9);
+    // Waiting for tokens is measured apart from the host's work; overlap is CUDA only.
+    assert!(json["wait_ms_per_step"].as_f64().unwrap() >= 0.0);
+    assert_eq!(json["overlapped_decode"], "off");
     let ops = |json: &serde_json::Value, name: &str| json["decode_ops"][name].as_u64();
     let total: u64 =
         json["decode_ops"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum();
     assert!(total > 100, "{}", json["decode_ops"]);
+
+    // The GPU clock is CUDA only (no figures on the CPU); the host profile needs its feature.
+    let out = quince()
+        .args(["bench", "--model"])
+        .arg(dense())
+        .args(["--prompt-tokens", "16", "--gen-tokens", "4", "--repeats", "1", "--json"])
+        .arg("--gpu-clock")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert!(json.get("gpu_clock").is_none(), "{json}");
+    let dir = tempfile::tempdir().unwrap();
+    let out = quince()
+        .args(["bench", "--model"])
+        .arg(dense())
+        .args(["--prompt-tokens", "16", "--gen-tokens", "4", "--repeats", "1", "--host-profile"])
+        .arg(dir.path().join("profile"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if cfg!(feature = "host-profile") {
+        assert!(out.status.success(), "{stderr}");
+        assert!(dir.path().join("profile-16").exists(), "one file per prompt length");
+    } else {
+        assert!(!out.status.success());
+        assert!(stderr.contains("--features host-profile"), "{stderr}");
+    }
 
     // Op by op, the census sees every layer: one softmax per layer's one-query attention.
     let out = quince()

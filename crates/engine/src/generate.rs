@@ -103,6 +103,10 @@ pub struct GenerationStats {
     /// The part of [`GenerationStats::decode_host_ms`] spent building the steps' graphs
     /// (Quince's own code); the rest is MLX evaluating them.
     pub decode_build_ms: f64,
+    /// Time the engine thread spent waiting for decoded tokens after the first, in ms: near
+    /// zero while the host bounds decoding, most of a step when the accelerator does (with
+    /// overlapped decoding, waiting for the evaluator thread).
+    pub decode_wait_ms: f64,
 }
 
 /// The result of [`generate`].
@@ -392,11 +396,13 @@ pub fn overlapped_loops() -> usize {
 }
 
 /// Whether `model`'s decode steps can be built for another thread to evaluate: every op of a
-/// step must be made while the shared stream is the default, and a compiled function replays
-/// the ops it traced on the stream it traced them on. So no compiled decode step, and the
-/// fused kernels on (without them the activations are compiled functions).
+/// step must be made while the shared stream is the default, so the GPU must be the default
+/// device, and a compiled function replays the ops it traced on the stream it traced them
+/// on. So no compiled decode step, and the fused kernels on (without them the activations are
+/// compiled functions).
 fn overlap_applies(model: &dyn Model) -> bool {
     overlapped_decode()
+        && mlx::Device::default_device().is_ok_and(|d| d == mlx::Device::Gpu)
         && crate::fused::decode_fusion()
         && !model.decode_graphs().is_some_and(|g| g.enabled())
 }
@@ -448,7 +454,11 @@ fn single_thread_loop<F: FnMut(u32) -> Flow>(
             out.stats.decode_build_ms += built;
             next = Some(n);
         }
+        let waited = Instant::now();
         let token = y.item::<u32>()?;
+        if emitted > 0 {
+            out.stats.decode_wait_ms += waited.elapsed().as_secs_f64() * 1e3;
+        }
         emitted += 1;
         if let Some(reason) = out.emit(token) {
             return Ok(Decoded::Ended(reason));
@@ -627,7 +637,11 @@ mod overlapped {
                 None
             };
             jobs.send(Job { read: y, step: step.clone() }).map_err(|_| gone())?;
+            let waited = Instant::now();
             let token = tokens.recv().map_err(|_| gone())??;
+            if emitted > 0 {
+                out.stats.decode_wait_ms += waited.elapsed().as_secs_f64() * 1e3;
+            }
             emitted += 1;
             if let Some(reason) = out.emit(token) {
                 return Ok(Decoded::Ended(reason));
