@@ -186,10 +186,11 @@ pub struct BenchArgs {
     #[arg(long)]
     host_profile: Option<PathBuf>,
     /// After the timed runs, decode `--gen-tokens` more steps without reading any token back
-    /// and time each step on the GPU's own clock (CUDA only): `gpu_ms_per_step` is from the
-    /// step's first kernel to its last, `gpu_gap_ms` the GPU's wait between steps. With
-    /// `MLX_MAX_OPS_PER_BUFFER` above a step's op count, MLX sends each step as one graph
-    /// once it is recorded, so the first figure is the GPU's time alone.
+    /// and read the GPU's own clock before and after each step (CUDA only): `gpu_ms_per_step`
+    /// between the two reads, `gpu_gap_ms` from one step's last read to the next one's first.
+    /// MLX records the first read after the step's ops, so only with `MLX_MAX_OPS_PER_BUFFER`
+    /// above a step's op count (each step one graph, launched once recorded, where the read
+    /// runs first) is `gpu_ms_per_step` the GPU's time for the whole step.
     #[arg(long)]
     gpu_clock: bool,
     /// Print one JSON object.
