@@ -10,7 +10,7 @@ echo "cpus: nproc $(nproc), affinity $(taskset -pc $$ 2>/dev/null | cut -d: -f2)
   "cgroup quota $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo unknown)"
 bench() {
   "$Q" bench --model "$MODEL" --prompt-tokens "$P" --gen-tokens 128 --repeats 3 "$@" 2>&1 \
-    | grep -E "decode \(tok|host ms|graph build|GPU clock" | tr -s ' ' | tr '\n' ';'
+    | grep -E "decode \(tok|host ms|graph build|waiting|reading|GPU clock" | tr -s ' ' | tr '\n' ';'
 }
 for round in $(seq "$ROUNDS"); do
   echo "== round $round, prompt $P"

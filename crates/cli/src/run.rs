@@ -188,9 +188,9 @@ pub struct BenchArgs {
     /// After the timed runs, decode `--gen-tokens` more steps without reading any token back
     /// and read the GPU's own clock before and after each step (CUDA only): `gpu_ms_per_step`
     /// between the two reads, `gpu_gap_ms` from one step's last read to the next one's first.
-    /// MLX records the first read after the step's ops, so only with `MLX_MAX_OPS_PER_BUFFER`
-    /// above a step's op count (each step one graph, launched once recorded, where the read
-    /// runs first) is `gpu_ms_per_step` the GPU's time for the whole step.
+    /// Then as many steps read back as the single-thread loop reads them, placed on the host's
+    /// clock (`timeline`): when the GPU starts and ends each step against its submission, and
+    /// when the host has the token.
     #[arg(long)]
     gpu_clock: bool,
     /// Print one JSON object.
@@ -635,6 +635,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             ("host_ms_per_step", "  host ms per step", false),
             ("build_ms_per_step", "  of which graph building", false),
             ("wait_ms_per_step", "  ms per step waiting for tokens", false),
+            ("read_ms_per_step", "  ms per step reading tokens", false),
         ] {
             let scale = if key == "peak_mem_bytes" { 1.0 / f64::from(1 << 20) } else { 1.0 };
             let Some(a) = run[key].as_f64().map(|v| v * scale) else { continue };
@@ -656,6 +657,17 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
                 c["gpu_gap_ms"].as_f64().unwrap_or(0.0),
                 c["wall_ms_per_step"].as_f64().unwrap_or(0.0)
             )?;
+            if let Some(t) = c["timeline"].as_object() {
+                let figures: Vec<String> = t
+                    .iter()
+                    .map(|(k, v)| format!("{k} {:.3}", v.as_f64().unwrap_or(0.0)))
+                    .collect();
+                writeln!(
+                    out,
+                    "  steps read back, ms (GPU clock on the host's): {}",
+                    figures.join(", ")
+                )?;
+            }
         }
         if let Some(reference) = references.get(i) {
             writeln!(
@@ -753,8 +765,7 @@ fn bench_quince(
     let clocked = if args.gpu_clock { gpu_clock_steps(model, args, &text)? } else { None };
     let median = |f: fn(&engine::generate::GenerationStats) -> f64| {
         let mut v: Vec<f64> = runs.iter().map(f).collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+        median(&mut v)
     };
     let s = &engine::generate::GenerationStats {
         prompt_tokens: runs[0].prompt_tokens,
@@ -766,6 +777,7 @@ fn bench_quince(
         decode_host_ms: median(|s| s.decode_host_ms),
         decode_build_ms: median(|s| s.decode_build_ms),
         decode_wait_ms: median(|s| s.decode_wait_ms),
+        decode_read_ms: median(|s| s.decode_read_ms),
     };
     let steps = s.generated_tokens.saturating_sub(1).max(1) as f64;
     let mut ours = stats_json(s);
@@ -776,6 +788,8 @@ fn bench_quince(
     ours["build_ms_per_step"] = json!(s.decode_build_ms / steps);
     // The engine thread waiting for tokens: near 0 host-bound, most of a step device-bound.
     ours["wait_ms_per_step"] = json!(s.decode_wait_ms / steps);
+    // The reading thread (the evaluator, when overlapped) waiting for the device.
+    ours["read_ms_per_step"] = json!(s.decode_read_ms / steps);
     ours["decode_tok_s_runs"] = json!(runs.iter().map(|r| r.decode_tok_s).collect::<Vec<_>>());
     ours["kv_bytes_per_token"] = json!(kv_bytes);
     if let Some(clocked) = clocked {
@@ -784,8 +798,10 @@ fn bench_quince(
     Ok(ours)
 }
 
-/// `--gpu-clock`: greedy decode steps after `prompt`, none read back until the end, each
-/// bracketed by two reads of the GPU clock. `None` off CUDA.
+/// `--gpu-clock`: greedy decode steps after `prompt`, each bracketed by two reads of the GPU
+/// clock, first none read back until the end (`gpu_ms_per_step`, `gpu_gap_ms`), then as the
+/// single-thread decode loop runs them (each token read once the next step is submitted),
+/// placed on the host's clock (`timeline`). `None` off CUDA.
 fn gpu_clock_steps(
     model: &dyn Model,
     args: &BenchArgs,
@@ -797,15 +813,22 @@ fn gpu_clock_steps(
             Flow::Continue
         })?;
     let mut y = engine::models::gemma4::token_array(&first.tokens)?;
-    let mut clocks = Vec::with_capacity(args.gen_tokens);
-    let start = std::time::Instant::now();
-    for _ in 0..args.gen_tokens {
-        let Some(t0) = engine::fused::gpu_clock(&y)? else { return Ok(None) };
-        let logits = model.forward_decode(&y.reshape(&[1, 1])?, &mut caches)?;
+    // One step after `y`, with the clock read when the step starts (once `y` is written) and
+    // when its token is.
+    let step = |y: &Array, caches: &mut [Box<dyn engine::cache::AttentionCache>]| {
+        let Some(t0) = engine::fused::gpu_clock(y)? else { return anyhow::Ok(None) };
+        let logits = model.forward_decode(&y.reshape(&[1, 1])?, caches)?;
         let v = logits.dim(-1)?;
         let next = logits.reshape(&[v])?.argmax(0, false)?.astype(mlx::Dtype::Uint32)?;
         let Some(t1) = engine::fused::gpu_clock(&next)? else { return Ok(None) };
-        mlx::async_eval(&[&next, &t0, &t1])?;
+        Ok(Some((next, t0, t1)))
+    };
+    let mut clocks = Vec::with_capacity(args.gen_tokens);
+    let start = std::time::Instant::now();
+    for _ in 0..args.gen_tokens {
+        let Some((next, t0, t1)) = step(&y, &mut caches)? else { return Ok(None) };
+        // The start clock first: MLX records a graph's ops in the order its outputs list them.
+        mlx::async_eval(&[&t0, &t1])?;
         clocks.push((t0, t1));
         y = next;
     }
@@ -822,16 +845,114 @@ fn gpu_clock_steps(
         }
         last_end = Some(b);
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
+    let timeline = read_timeline(args, &mut caches, y, &step)?;
     Ok(Some(json!({
         "steps": args.gen_tokens,
         "gpu_ms_per_step": median(&mut spans),
         "gpu_gap_ms": median(&mut gaps),
         "wall_ms_per_step": wall_ms,
+        "timeline": timeline,
     })))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The host's clock in ns since the epoch.
+fn host_ns() -> i128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i128)
+}
+
+/// The decode steps of [`gpu_clock_steps`] read as the single-thread loop reads them, with
+/// the GPU's clock placed on the host's: the offset between the two is bounded by reading the
+/// GPU clock synchronously a few times (`offset_uncertainty_ms` is the bound's width). All
+/// figures are medians in ms: building and submitting a step, the GPU starting it after its
+/// submission started (`gpu_start_lag`), its span on the GPU, its end against the end of its
+/// submission (`gpu_end_after_submit`, negative when the GPU kept up), and the host having
+/// its token after the GPU wrote it (`token_after_gpu_end`).
+#[allow(clippy::type_complexity)]
+fn read_timeline(
+    args: &BenchArgs,
+    caches: &mut [Box<dyn engine::cache::AttentionCache>],
+    mut y: Array,
+    step: &dyn Fn(
+        &Array,
+        &mut [Box<dyn engine::cache::AttentionCache>],
+    ) -> anyhow::Result<Option<(Array, Array, Array)>>,
+) -> anyhow::Result<serde_json::Value> {
+    let (mut low, mut high) = (i128::MIN, i128::MAX);
+    for _ in 0..8 {
+        let before = host_ns();
+        let Some(c) = engine::fused::gpu_clock(&y)? else { return Ok(json!(null)) };
+        let gpu = i128::from(c.item::<u64>()?);
+        let after = host_ns();
+        // The read ran between `before` and `after` on the host's clock.
+        low = low.max(gpu - after);
+        high = high.min(gpu - before);
+    }
+    let offset = (low + high) / 2;
+    struct Row {
+        build: i128,
+        submit: i128,
+        submitted: i128,
+        t0: Array,
+        t1: Array,
+        read_start: i128,
+        read_done: i128,
+    }
+    let mut rows: Vec<Row> = Vec::with_capacity(args.gen_tokens);
+    mlx::async_eval(&[&y])?;
+    for _ in 0..args.gen_tokens {
+        let build = host_ns();
+        let Some((next, t0, t1)) = step(&y, caches)? else { return Ok(json!(null)) };
+        let submit = host_ns();
+        mlx::async_eval(&[&t0, &t1])?;
+        let submitted = host_ns();
+        y.item::<u32>()?;
+        let read_done = host_ns();
+        rows.push(Row { build, submit, submitted, t0, t1, read_start: submitted, read_done });
+        y = next;
+    }
+    y.eval()?;
+    let ms = |ns: i128| ns as f64 / 1e6;
+    let mut figures: [(&str, Vec<f64>); 8] = Default::default();
+    let names = [
+        "build",
+        "submit",
+        "gpu_start_lag",
+        "gpu_span",
+        "gpu_end_after_submit",
+        "read_wait",
+        "token_after_gpu_end",
+        "step",
+    ];
+    for (slot, name) in figures.iter_mut().zip(names) {
+        slot.0 = name;
+    }
+    for (i, row) in rows.iter().enumerate() {
+        let t0 = i128::from(row.t0.item::<u64>()?) - offset;
+        let t1 = i128::from(row.t1.item::<u64>()?) - offset;
+        figures[0].1.push(ms(row.submit - row.build));
+        figures[1].1.push(ms(row.submitted - row.submit));
+        figures[2].1.push(ms(t0 - row.submit));
+        figures[3].1.push(ms(t1 - t0));
+        figures[4].1.push(ms(t1 - row.submitted));
+        // This step's token is read in the next row, after the next step is submitted.
+        if let Some(next) = rows.get(i + 1) {
+            figures[5].1.push(ms(next.read_done - next.read_start));
+            figures[6].1.push(ms(next.read_done - t1));
+            figures[7].1.push(ms(next.build - row.build));
+        }
+    }
+    let mut out = json!({ "offset_uncertainty_ms": ms(high - low) });
+    for (name, mut values) in figures {
+        out[name] = json!(median(&mut values));
+    }
+    Ok(out)
 }
 
 /// The reference's half of `quince bench --compare` at one prompt length, in its own process.

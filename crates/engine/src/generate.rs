@@ -107,6 +107,11 @@ pub struct GenerationStats {
     /// zero while the host bounds decoding, most of a step when the accelerator does (with
     /// overlapped decoding, waiting for the evaluator thread).
     pub decode_wait_ms: f64,
+    /// Time the thread that reads decoded tokens spent waiting for the accelerator to finish
+    /// the step that made each one (after the first), in ms. The engine thread on its own,
+    /// the evaluator thread with overlapped decoding: with [`GenerationStats::decode_host_ms`]
+    /// it tells whether that thread was ever idle.
+    pub decode_read_ms: f64,
 }
 
 /// The result of [`generate`].
@@ -457,7 +462,9 @@ fn single_thread_loop<F: FnMut(u32) -> Flow>(
         let waited = Instant::now();
         let token = y.item::<u32>()?;
         if emitted > 0 {
-            out.stats.decode_wait_ms += waited.elapsed().as_secs_f64() * 1e3;
+            let ms = waited.elapsed().as_secs_f64() * 1e3;
+            out.stats.decode_wait_ms += ms;
+            out.stats.decode_read_ms += ms;
         }
         emitted += 1;
         if let Some(reason) = out.emit(token) {
@@ -547,12 +554,19 @@ mod overlapped {
     }
 
     /// The evaluator: answers each job with its token (or the error that ended it) and
-    /// returns the milliseconds it spent submitting steps.
-    fn evaluate(jobs: mpsc::Receiver<Job>, tokens: mpsc::Sender<Result<u32>>) -> f64 {
+    /// returns the milliseconds it spent submitting steps and waiting for tokens (after the
+    /// first).
+    fn evaluate(jobs: mpsc::Receiver<Job>, tokens: mpsc::Sender<Result<u32>>) -> (f64, f64) {
         let mut submit_ms = 0.0;
+        let mut read_ms = 0.0;
+        let mut first = true;
         for job in jobs {
+            let start = Instant::now();
             let token =
                 doing("reading a token", job.read.wait().and_then(|()| job.read.item::<u32>()));
+            if !std::mem::take(&mut first) {
+                read_ms += start.elapsed().as_secs_f64() * 1e3;
+            }
             let failed = token.is_err();
             if tokens.send(token).is_err() || failed {
                 break;
@@ -568,7 +582,7 @@ mod overlapped {
                 }
             }
         }
-        submit_ms
+        (submit_ms, read_ms)
     }
 
     pub(super) fn decode_loop<F: FnMut(u32) -> Flow>(
@@ -595,10 +609,11 @@ mod overlapped {
                 .map_err(|e| Error::InvalidRequest(format!("no evaluator thread: {e}")))?;
             let decoded = steer(model, caches, sampler, y, out, limit, &jobs, &tokens);
             drop(jobs);
-            let submit_ms = evaluator.join().map_err(|_| {
+            let (submit_ms, read_ms) = evaluator.join().map_err(|_| {
                 Error::InvalidRequest("the decode evaluator thread panicked".into())
             })?;
             out.stats.decode_host_ms += submit_ms;
+            out.stats.decode_read_ms += read_ms;
             decoded
         });
         // Everything the evaluator submitted is done before the caches are used again (by
