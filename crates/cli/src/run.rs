@@ -176,6 +176,10 @@ pub struct BenchArgs {
     /// record the step before it (`off`, the default: one thread does both in turn).
     #[arg(long, value_enum, default_value = "off")]
     overlap: Switch,
+    /// Whether a decode step takes its slot bounds and position as views of tables on the
+    /// device (`on`) or makes them from host data each step (`off`, the default; for A/B runs).
+    #[arg(long, value_enum, default_value = "off")]
+    device_step_ints: Switch,
     /// Sleep this many µs on the host after each streamed token but the first (a diagnostic:
     /// if decode slows by as much, the host is what bounds a step; if not, the GPU is).
     #[arg(long, default_value_t = 0)]
@@ -530,6 +534,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     engine::fused::set_decode_fusion(args.decode_fusion == Switch::On);
     engine::cache::set_buffer_reads(args.buffer_reads == Switch::On);
     engine::generate::set_overlapped_decode(args.overlap == Switch::On);
+    engine::cache::set_device_step_ints(args.device_step_ints == Switch::On);
     let model = load(&args.model)?;
     choose_compiled_decode(model.as_ref(), args.compile, args.no_compile);
     let weight_bytes = model.decode_weight_bytes();
@@ -614,7 +619,8 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         if backend == "cuda" {
             format!(
                 " · decode attention {attention} · fused kernels {fusion} · buffer reads \
-                 {buffer_reads} · overlapped decode {overlap}"
+                 {buffer_reads} · overlapped decode {overlap} · step ints on the device {}",
+                if engine::cache::device_step_ints() { "on" } else { "off" }
             )
         } else {
             String::new()

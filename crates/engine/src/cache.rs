@@ -32,6 +32,7 @@ mod one_query;
 mod plain;
 mod rotating;
 mod rows;
+mod step_ints;
 
 use std::cell::OnceCell;
 use std::collections::BTreeMap;
@@ -48,6 +49,8 @@ pub(crate) use one_query::{buffer_reads_ready, buffer_steps_ready, tracing, trac
 pub use plain::PlainCache;
 pub use rotating::RotatingCache;
 pub use rows::{CacheRows, Keep};
+pub(crate) use step_ints::position as step_position;
+pub use step_ints::{device_step_ints, set_device_step_ints};
 
 /// The stored keys and values a compiled decode step gives back for one slot.
 pub(crate) fn step_outputs(outputs: Vec<Array>) -> Result<(Array, Array)> {
@@ -121,7 +124,7 @@ pub(crate) struct BufferStep {
 impl BufferStep {
     /// The step's read, with the new position `fresh`.
     pub(crate) fn into_read(self, fresh: (Array, Array)) -> Result<AttentionRead> {
-        let bounds = Array::from_slice(&[self.read.0, self.read.1], &[2])?;
+        let bounds = step_ints::pair(self.read.0, self.read.1)?;
         let buffer = BufferRead {
             bounds,
             fresh: Some(fresh),
@@ -162,7 +165,7 @@ impl AttentionRead {
         let bounds = match buffer.after_bounds.get() {
             Some(bounds) => bounds.clone(),
             None => {
-                let bounds = Array::from_slice(&[buffer.after, -1], &[2])?;
+                let bounds = step_ints::pair(buffer.after, -1)?;
                 buffer.after_bounds.set(bounds.clone()).ok();
                 bounds
             }

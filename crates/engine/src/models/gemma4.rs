@@ -877,7 +877,7 @@ fn position_array(p: i32) -> Result<Array> {
         {
             return Ok(array.clone());
         }
-        let array = Array::scalar(p)?;
+        let array = crate::cache::step_position(p)?;
         *last = Some((p, array.clone()));
         Ok(array)
     })
