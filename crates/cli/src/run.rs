@@ -578,6 +578,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let fusion = if engine::fused::decode_fusion() { "on" } else { "off" };
     let buffer_reads = if engine::cache::buffer_reads_on() { "on" } else { "off" };
     let overlap = if engine::generate::overlapped_decode() { "on" } else { "off" };
+    let step_ints = if engine::cache::device_step_ints() { "on" } else { "off" };
     if args.json {
         let line = if args.compare {
             json!({
@@ -587,6 +588,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
                 "decode_fusion": fusion,
                 "buffer_reads": buffer_reads,
                 "overlapped_decode": overlap,
+                "device_step_ints": step_ints,
                 "decode_weight_bytes": weight_bytes,
                 "decode_ops": census,
                 "quince": side(&ours),
@@ -601,6 +603,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             flat["decode_fusion"] = json!(fusion);
             flat["buffer_reads"] = json!(buffer_reads);
             flat["overlapped_decode"] = json!(overlap);
+            flat["device_step_ints"] = json!(step_ints);
             flat["decode_weight_bytes"] = json!(weight_bytes);
             flat["decode_ops"] = json!(census);
             flat
@@ -619,8 +622,8 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         if backend == "cuda" {
             format!(
                 " · decode attention {attention} · fused kernels {fusion} · buffer reads \
-                 {buffer_reads} · overlapped decode {overlap} · step ints on the device {}",
-                if engine::cache::device_step_ints() { "on" } else { "off" }
+                 {buffer_reads} · overlapped decode {overlap} · step ints on the device \
+                 {step_ints}"
             )
         } else {
             String::new()
