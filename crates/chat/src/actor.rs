@@ -293,12 +293,23 @@ impl Engine {
 
 /// Runs two short turns on throwaway caches, so the weights are read and the kernels built
 /// (MLX compiles kernels on first use) before the first reply: its TTFT then measures the
-/// reply's own work.
+/// reply's own work. Where long reads run split ([`engine::cache::split_reads_above`], CUDA),
+/// a third turn decodes past that many keys, so a reply that gets that long does not stall
+/// while its kernels compile.
 fn warm_up(model: &dyn Model) -> Result<()> {
     let mut caches = model.new_caches()?;
     // Past a typical sliding window (512), then a short next turn: the shapes of a first
     // turn and of a turn resumed deep into a conversation.
-    for length in [WARM_UP_TOKENS, 32] {
+    let mut turns = vec![WARM_UP_TOKENS, 32];
+    if let Some(keys) = engine::cache::split_reads_above() {
+        // Each turn adds its prompt and one decoded token (the second is sampled, not
+        // appended), so this turn's decode step reads `keys + 2` keys.
+        let length = (keys + 2).saturating_sub(WARM_UP_TOKENS + 1 + 32 + 1).max(1);
+        if keys + 8 < model.max_context() {
+            turns.push(length);
+        }
+    }
+    for length in turns {
         let request = GenerateRequest::new(vec![2; length], 2);
         generate(model, &mut caches, &request, |_| Flow::Continue)?;
     }

@@ -43,7 +43,7 @@ use mlx::fast::{AttentionMask, scaled_dot_product_attention};
 
 pub use one_query::{
     DecodeAttention, buffer_reads, buffer_reads_on, decode_attention, set_buffer_reads,
-    set_decode_attention,
+    set_decode_attention, split_reads_above,
 };
 pub(crate) use one_query::{buffer_reads_ready, buffer_steps_ready, tracing, tracing_step};
 pub use plain::PlainCache;

@@ -56,6 +56,14 @@ pub fn decode_attention() -> DecodeAttention {
     }
 }
 
+/// Keys past which a one-query read runs split (its own kernels, which MLX compiles on their
+/// first use, a stall of a second or two): `Some` on CUDA with the kernel chosen, `None`
+/// where no read splits. A warm-up that decodes past it builds them before the first reply.
+pub fn split_reads_above() -> Option<usize> {
+    (mlx::Backend::current() == mlx::Backend::Cuda && decode_attention() == DecodeAttention::Kernel)
+        .then_some(SPLIT_ABOVE as usize)
+}
+
 thread_local! {
     static TRACING: Cell<bool> = const { Cell::new(false) };
 }

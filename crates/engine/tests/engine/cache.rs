@@ -739,3 +739,15 @@ fn buffer_reads_write_in_the_kernel_and_leave_states_alone() {
         assert_eq!(values_of(&state.tensors["values"]), values, "{window:?}: held values changed");
     }
 }
+
+/// Long one-query reads split only where Quince's CUDA kernel runs them, which is what the
+/// app's warm-up decodes past; everywhere else there is nothing to warm.
+#[test]
+fn split_reads_apply_only_to_the_cuda_kernel() {
+    let on_cuda = mlx::Backend::current() == mlx::Backend::Cuda;
+    let kernel = engine::cache::decode_attention() == engine::cache::DecodeAttention::Kernel;
+    match engine::cache::split_reads_above() {
+        Some(keys) => assert!(on_cuda && kernel && keys >= 512, "{keys}"),
+        None => assert!(!(on_cuda && kernel)),
+    }
+}
