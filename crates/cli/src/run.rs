@@ -836,7 +836,7 @@ fn gpu_clock_steps(
     let start = std::time::Instant::now();
     for _ in 0..args.gen_tokens {
         let Some((next, t0, t1)) = step(&y, &mut caches)? else { return Ok(None) };
-        // The start clock first: MLX records a graph's ops in the order its outputs list them.
+        // Where a step spans several MLX graphs, MLX records the start read with the last.
         mlx::async_eval(&[&t0, &t1])?;
         clocks.push((t0, t1));
         y = next;
@@ -879,10 +879,12 @@ fn host_ns() -> i128 {
 /// The decode steps of [`gpu_clock_steps`] read as the single-thread loop reads them, with
 /// the GPU's clock placed on the host's: the offset between the two is bounded by reading the
 /// GPU clock synchronously a few times (`offset_uncertainty_ms` is the bound's width). All
-/// figures are medians in ms: building and submitting a step, the GPU starting it after its
-/// submission started (`gpu_start_lag`), its span on the GPU, its end against the end of its
-/// submission (`gpu_end_after_submit`, negative when the GPU kept up), and the host having
-/// its token after the GPU wrote it (`token_after_gpu_end`).
+/// figures are medians in ms: building and submitting a step, the GPU's start read after the
+/// submission started (`gpu_start_lag`), the span between the reads, the end read against the
+/// end of the submission (`gpu_end_after_submit`), and the host having the token after the GPU
+/// wrote it (`token_after_gpu_end`). The start read times the whole step only when the step is
+/// one MLX graph (`MLX_MAX_OPS_PER_BUFFER` above its op count); otherwise MLX records it with
+/// the step's last graph.
 #[allow(clippy::type_complexity)]
 fn read_timeline(
     args: &BenchArgs,
