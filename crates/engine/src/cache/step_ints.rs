@@ -71,9 +71,9 @@ fn table(
     Ok(t)
 }
 
-/// `c` broadcast like `like`.
+/// `c` shaped like `like`.
 fn constant(like: &Array, c: i32) -> Result<Array> {
-    Ok(like.multiply(&Array::scalar(0i32)?)?.add(&Array::scalar(c)?)?)
+    Ok(mlx::ops::full(&like.shape(), &Array::scalar(c)?, Dtype::Int32)?)
 }
 
 /// Row `row` of the table in `slot`, grown (doubling) to hold it.
