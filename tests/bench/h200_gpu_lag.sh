@@ -2,23 +2,27 @@
 # On the GPU machine: what makes the GPU start a Quince decode step milliseconds after MLX
 # launched it (README, "The GPU starts a step long after MLX launched it"). Plain MLX first
 # (tests/bench/stream_lag.py, one line per kind of op), then Quince's own timeline
-# (`quince bench --gpu-clock`) with each suspect switched in turn, in one invocation.
+# (`quince bench --gpu-clock`) with each suspect switched in turn, in one invocation:
+# host-made int arrays (--device-step-ints), custom kernels (--decode-fusion), buffer reads,
+# and MLX-CUDA's graphs (MLX_USE_CUDA_GRAPHS=0 launches kernels directly; a larger
+# MLX_CUDA_GRAPH_CACHE_SIZE rules out graph re-instantiation from cache eviction).
 # Usage: h200_gpu_lag.sh QUINCE MODEL [PROMPT_TOKENS]
 Q=$1
 MODEL=$2
 P=${3:-512}
 for kind in add host_scalars qmv custom; do
-  for ops in 30 100; do
-    echo "plain MLX, $kind, $ops ops per graph: $(MLX_MAX_OPS_PER_BUFFER=$ops timeout 60 \
-      python3 tests/bench/stream_lag.py --ops 600 --steps 60 --kind "$kind" 2>&1 | tail -1)"
-  done
+  echo "plain MLX, $kind, 100 ops per graph: $(MLX_MAX_OPS_PER_BUFFER=100 timeout 60 \
+    python3 tests/bench/stream_lag.py --ops 600 --steps 60 --kind "$kind" 2>&1 | tail -1)"
 done
 timeline() {
   timeout 120 "$Q" bench --model "$MODEL" --prompt-tokens "$P" --gen-tokens 128 --repeats 2 \
-    --gpu-clock "$@" 2>&1 | grep -E "decode \(tok|read back|rror" | tr -s ' ' | tr '\n' ';'
+    --gpu-clock "$@" 2>&1 | grep -E "decode \(tok|read back|rror|hrash" | tr -s ' ' | tr '\n' ';'
 }
-echo "quince default:              $(timeline)"
+echo "quince default:               $(timeline)"
 echo "quince --device-step-ints on: $(timeline --device-step-ints on)"
-echo "quince --decode-fusion off:  $(timeline --decode-fusion off)"
-echo "quince --buffer-reads off:   $(timeline --buffer-reads off)"
-echo "quince default again:        $(timeline)"
+echo "quince --decode-fusion off:   $(timeline --decode-fusion off)"
+echo "quince --buffer-reads off:    $(timeline --buffer-reads off)"
+echo "quince MLX_USE_CUDA_GRAPHS=0: $(MLX_USE_CUDA_GRAPHS=0 timeline)"
+echo "quince graphs 0 + ints on:    $(MLX_USE_CUDA_GRAPHS=0 timeline --device-step-ints on)"
+echo "quince graph cache 4000:      $(MLX_CUDA_GRAPH_CACHE_SIZE=4000 timeline)"
+echo "quince default again:         $(timeline)"

@@ -63,18 +63,47 @@ std::unique_ptr<CustomKernelFn> cuda_kernel(rust::Str name,
                                            {}});
 }
 
-std::unique_ptr<std::vector<Array>> custom_kernel_call(
-    const CustomKernelFn& kernel, const std::vector<Array>& inputs,
-    rust::Slice<const int32_t> output_shapes, rust::Slice<const int32_t> output_ranks,
-    rust::Slice<const uint8_t> output_dtypes, rust::Slice<const int32_t> grid,
-    rust::Slice<const int32_t> threadgroup, rust::Slice<const rust::String> template_names,
-    rust::Slice<const uint8_t> template_kinds, rust::Slice<const int32_t> template_values) {
-  if (grid.size() != 3 || threadgroup.size() != 3 || output_ranks.size() != output_dtypes.size() ||
-      template_names.size() != template_kinds.size() ||
-      template_names.size() != template_values.size()) {
+namespace {
+// The launch configuration of a call as integers: everything the primitive (its generated
+// source, grid and block) depends on. Built into one buffer per thread, so a call that finds
+// its primitive allocates nothing for its key.
+const std::vector<int64_t>& launch_key(const std::vector<Array>& inputs,
+                                       rust::Slice<const uint8_t> output_dtypes,
+                                       rust::Slice<const int32_t> grid,
+                                       rust::Slice<const int32_t> threadgroup,
+                                       rust::Slice<const uint8_t> template_kinds,
+                                       rust::Slice<const int32_t> template_values) {
+  if (grid.size() != 3 || threadgroup.size() != 3 ||
+      template_kinds.size() != template_values.size()) {
     throw std::invalid_argument("[custom_kernel_call] mismatched argument lengths");
   }
+  thread_local std::vector<int64_t> key;
+  key.clear();
+  for (size_t i = 0; i < template_values.size(); ++i) {
+    key.push_back(template_kinds[i]);
+    key.push_back(template_values[i]);
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    key.push_back(grid[i]);
+    key.push_back(threadgroup[i]);
+  }
+  for (const auto& in : inputs) {
+    key.push_back(static_cast<int64_t>(in.dtype().val()));
+    key.push_back(static_cast<int64_t>(in.ndim()));
+  }
+  for (uint8_t d : output_dtypes) {
+    key.push_back(d);
+  }
+  // A primitive runs on the stream it was made on: one per stream (a thread's default stream
+  // is that thread's alone, and a decode loop may build on a shared one).
+  key.push_back(mx::default_stream(mx::default_device()).index);
+  return key;
+}
+
+std::vector<mx::Shape> output_shapes_of(rust::Slice<const int32_t> output_shapes,
+                                        rust::Slice<const int32_t> output_ranks) {
   std::vector<mx::Shape> shapes;
+  shapes.reserve(output_ranks.size());
   size_t at = 0;
   for (int32_t rank : output_ranks) {
     if (rank < 0 || at + static_cast<size_t>(rank) > output_shapes.size()) {
@@ -83,38 +112,60 @@ std::unique_ptr<std::vector<Array>> custom_kernel_call(
     shapes.emplace_back(output_shapes.begin() + at, output_shapes.begin() + at + rank);
     at += static_cast<size_t>(rank);
   }
+  return shapes;
+}
+
+std::vector<mx::Dtype> output_dtypes_of(rust::Slice<const uint8_t> output_dtypes) {
   std::vector<mx::Dtype> dtypes;
+  dtypes.reserve(output_dtypes.size());
   for (uint8_t d : output_dtypes) {
     dtypes.push_back(to_mlx(static_cast<Dtype>(d)));
   }
-  // Everything the primitive (its generated source, grid and block) depends on.
-  std::string key;
-  key.reserve(128);
-  auto put = [&key](int64_t v) {
-    key += std::to_string(v);
-    key += ',';
-  };
-  for (size_t i = 0; i < template_values.size(); ++i) {
-    put(template_kinds[i]);
-    put(template_values[i]);
+  return dtypes;
+}
+}  // namespace
+
+size_t LaunchKeyHash::operator()(const std::vector<int64_t>& key) const noexcept {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the values
+  for (int64_t v : key) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ull;
   }
-  for (size_t i = 0; i < 3; ++i) {
-    put(grid[i]);
-    put(threadgroup[i]);
+  return static_cast<size_t>(h);
+}
+
+std::unique_ptr<std::vector<Array>> custom_kernel_cached(
+    const CustomKernelFn& kernel, const std::vector<Array>& inputs,
+    rust::Slice<const int32_t> output_shapes, rust::Slice<const int32_t> output_ranks,
+    rust::Slice<const uint8_t> output_dtypes, rust::Slice<const int32_t> grid,
+    rust::Slice<const int32_t> threadgroup, rust::Slice<const uint8_t> template_kinds,
+    rust::Slice<const int32_t> template_values) {
+  if (output_ranks.size() != output_dtypes.size()) {
+    throw std::invalid_argument("[custom_kernel_call] mismatched argument lengths");
   }
-  for (const auto& in : inputs) {
-    put(static_cast<int64_t>(in.dtype().val()));
-    put(static_cast<int64_t>(in.ndim()));
+  const auto& key =
+      launch_key(inputs, output_dtypes, grid, threadgroup, template_kinds, template_values);
+  auto hit = kernel.primitives.find(key);
+  if (hit == kernel.primitives.end()) {
+    return nullptr;
   }
-  for (size_t i = 0; i < dtypes.size(); ++i) {
-    put(static_cast<int64_t>(dtypes[i].val()));
+  return boxed_vec(Array::make_arrays(output_shapes_of(output_shapes, output_ranks),
+                                      output_dtypes_of(output_dtypes), hit->second, inputs));
+}
+
+std::unique_ptr<std::vector<Array>> custom_kernel_call(
+    const CustomKernelFn& kernel, const std::vector<Array>& inputs,
+    rust::Slice<const int32_t> output_shapes, rust::Slice<const int32_t> output_ranks,
+    rust::Slice<const uint8_t> output_dtypes, rust::Slice<const int32_t> grid,
+    rust::Slice<const int32_t> threadgroup, rust::Slice<const rust::String> template_names,
+    rust::Slice<const uint8_t> template_kinds, rust::Slice<const int32_t> template_values) {
+  if (template_names.size() != template_kinds.size()) {
+    throw std::invalid_argument("[custom_kernel_call] mismatched argument lengths");
   }
-  // A primitive runs on the stream it was made on: one per stream (a thread's default stream
-  // is that thread's alone, and a decode loop may build on a shared one).
-  put(mx::default_stream(mx::default_device()).index);
-  auto& cache = kernel.primitives;
-  if (auto hit = cache.find(key); hit != cache.end()) {
-    return boxed_vec(Array::make_arrays(std::move(shapes), dtypes, hit->second, inputs));
+  if (auto cached = custom_kernel_cached(kernel, inputs, output_shapes, output_ranks,
+                                         output_dtypes, grid, threadgroup, template_kinds,
+                                         template_values)) {
+    return cached;
   }
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> args;
   for (size_t i = 0; i < template_names.size(); ++i) {
@@ -128,11 +179,14 @@ std::unique_ptr<std::vector<Array>> custom_kernel_call(
       default: throw std::invalid_argument("[custom_kernel_call] unknown template argument kind");
     }
   }
-  auto outputs = kernel.fn(inputs, shapes, dtypes, {grid[0], grid[1], grid[2]},
-                          {threadgroup[0], threadgroup[1], threadgroup[2]}, args, std::nullopt,
-                          false, {});
+  auto outputs = kernel.fn(inputs, output_shapes_of(output_shapes, output_ranks),
+                           output_dtypes_of(output_dtypes), {grid[0], grid[1], grid[2]},
+                           {threadgroup[0], threadgroup[1], threadgroup[2]}, args,
+                           std::nullopt, false, {});
   if (!outputs.empty() && outputs[0].has_primitive()) {
-    cache.emplace(std::move(key), outputs[0].primitive_ptr());
+    kernel.primitives.emplace(
+        launch_key(inputs, output_dtypes, grid, threadgroup, template_kinds, template_values),
+        outputs[0].primitive_ptr());
   }
   return boxed_vec(std::move(outputs));
 }

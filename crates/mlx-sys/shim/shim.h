@@ -23,13 +23,21 @@ struct CompiledFn {
 };
 
 // A custom GPU kernel (`mlx::core::fast::cuda_kernel`), also a std::function.
+// Hashes a custom kernel's launch key (`custom_kernel_call`).
+struct LaunchKeyHash {
+  size_t operator()(const std::vector<int64_t>& key) const noexcept;
+};
+
 struct CustomKernelFn {
   ::mlx::core::fast::CustomKernelFunction fn;
   // The primitive of each launch configuration seen so far (template arguments, grid, block,
-  // input and output dtypes and ranks): MLX's function builds the kernel's whole source string
-  // on every call, several µs of host time; a later call with the same configuration makes
-  // its outputs from the same (immutable) primitive instead.
-  mutable std::unordered_map<std::string, std::shared_ptr<::mlx::core::Primitive>> primitives;
+  // input and output dtypes and ranks, stream), keyed by those values as integers: MLX's
+  // function builds the kernel's whole source string on every call, several µs of host time;
+  // a later call with the same configuration makes its outputs from the same (immutable)
+  // primitive instead.
+  mutable std::unordered_map<std::vector<int64_t>, std::shared_ptr<::mlx::core::Primitive>,
+                             LaunchKeyHash>
+      primitives;
 };
 
 struct SafetensorsData {
@@ -178,6 +186,12 @@ std::unique_ptr<CustomKernelFn> cuda_kernel(rust::Str name,
                                             rust::Slice<const rust::String> output_names,
                                             rust::Str source, rust::Str header,
                                             bool ensure_row_contiguous);
+std::unique_ptr<std::vector<Array>> custom_kernel_cached(
+    const CustomKernelFn& kernel, const std::vector<Array>& inputs,
+    rust::Slice<const int32_t> output_shapes, rust::Slice<const int32_t> output_ranks,
+    rust::Slice<const uint8_t> output_dtypes, rust::Slice<const int32_t> grid,
+    rust::Slice<const int32_t> threadgroup, rust::Slice<const uint8_t> template_kinds,
+    rust::Slice<const int32_t> template_values);
 std::unique_ptr<std::vector<Array>> custom_kernel_call(
     const CustomKernelFn& kernel, const std::vector<Array>& inputs,
     rust::Slice<const int32_t> output_shapes, rust::Slice<const int32_t> output_ranks,

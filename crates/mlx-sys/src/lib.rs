@@ -318,6 +318,20 @@ pub mod ffi {
             header: &str,
             ensure_row_contiguous: bool,
         ) -> Result<UniquePtr<CustomKernelFn>>;
+        /// The outputs of a launch whose configuration was launched before (its primitive is
+        /// reused), or null: then `custom_kernel_call`, which also takes the template names.
+        #[allow(clippy::too_many_arguments)]
+        fn custom_kernel_cached(
+            kernel: &CustomKernelFn,
+            inputs: &CxxVector<Array>,
+            output_shapes: &[i32],
+            output_ranks: &[i32],
+            output_dtypes: &[u8],
+            grid: &[i32],
+            threadgroup: &[i32],
+            template_kinds: &[u8],
+            template_values: &[i32],
+        ) -> Result<UniquePtr<CxxVector<Array>>>;
         #[allow(clippy::too_many_arguments)]
         fn custom_kernel_call(
             kernel: &CustomKernelFn,

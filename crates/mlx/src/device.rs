@@ -73,13 +73,15 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The backend of the loaded libmlx.
+    /// The backend of the loaded libmlx (asked once per process: it cannot change, and the
+    /// decode step asks for every fused kernel it builds).
     pub fn current() -> Backend {
-        match ffi::backend_name().as_str() {
+        static CURRENT: std::sync::OnceLock<Backend> = std::sync::OnceLock::new();
+        *CURRENT.get_or_init(|| match ffi::backend_name().as_str() {
             "cuda" => Backend::Cuda,
             "metal" => Backend::Metal,
             _ => Backend::Cpu,
-        }
+        })
     }
 
     /// `cpu`, `cuda` or `metal`.

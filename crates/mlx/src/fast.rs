@@ -217,6 +217,15 @@ impl std::fmt::Debug for CudaKernel {
     }
 }
 
+/// `source` without indentation, blank lines or whole-line `//` comments (line breaks kept, so
+/// preprocessor lines and end-of-line comments stay as they were). MLX-CUDA hashes a kernel's
+/// whole source on every launch to find its compiled module, so a shorter text is less host
+/// time per launch.
+fn compact(source: &str) -> String {
+    let lines = source.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("//"));
+    lines.collect::<Vec<_>>().join("\n")
+}
+
 /// How a custom kernel is launched: the grid in threads (as MLX counts it) and the block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
@@ -251,8 +260,8 @@ impl CudaKernel {
             name,
             &names(inputs),
             &names(outputs),
-            source,
-            header,
+            &compact(source),
+            &compact(header),
             row_contiguous,
         ))?;
         Ok(CudaKernel { inner })
@@ -277,7 +286,6 @@ impl CudaKernel {
         let shapes: Vec<i32> = outputs.iter().flat_map(|(s, _)| s.iter().copied()).collect();
         let ranks: Vec<i32> = outputs.iter().map(|(s, _)| s.len() as i32).collect();
         let dtypes: Vec<u8> = outputs.iter().map(|(_, d)| d.to_ffi().repr).collect();
-        let names: Vec<String> = template.iter().map(|(n, _)| (*n).to_string()).collect();
         let (kinds, values): (Vec<u8>, Vec<i32>) = template
             .iter()
             .map(|(_, a)| match a {
@@ -286,18 +294,48 @@ impl CudaKernel {
                 TemplateArg::Dtype(d) => (2, i32::from(d.to_ffi().repr)),
             })
             .unzip();
-        let result = check(ffi::custom_kernel_call(
+        let inputs = crate::array::to_vector(inputs.iter().copied());
+        // A configuration launched before needs no template names (no strings to make).
+        let cached = check(ffi::custom_kernel_cached(
             kernel,
-            &crate::array::to_vector(inputs.iter().copied()),
+            &inputs,
             &shapes,
             &ranks,
             &dtypes,
             &launch.grid,
             &launch.threadgroup,
-            &names,
             &kinds,
             &values,
         ))?;
+        let result = if cached.is_null() {
+            let names: Vec<String> = template.iter().map(|(n, _)| (*n).to_string()).collect();
+            check(ffi::custom_kernel_call(
+                kernel,
+                &inputs,
+                &shapes,
+                &ranks,
+                &dtypes,
+                &launch.grid,
+                &launch.threadgroup,
+                &names,
+                &kinds,
+                &values,
+            ))?
+        } else {
+            cached
+        };
         crate::array::from_vector(&result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compact;
+
+    #[test]
+    fn compact_keeps_code_and_line_breaks() {
+        let source =
+            "  // a note\n\n    const int a = 1; // kept\n#pragma unroll\n   for (;;) {}\n";
+        assert_eq!(compact(source), "const int a = 1; // kept\n#pragma unroll\nfor (;;) {}");
     }
 }
