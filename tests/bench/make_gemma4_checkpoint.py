@@ -37,6 +37,22 @@ DIMS = {
                 num_attention_heads=8, num_key_value_heads=1, num_global_key_value_heads=1,
                 head_dim=256, global_head_dim=512, num_kv_shared_layers=20,
                 hidden_size_per_layer_input=256, use_double_wide_mlp=True, period=5),
+    # Gemma 4 26B-A4B's text model as we know its published config (check it against the real
+    # config.json before quoting figures for it): 30 layers (5 sliding : 1 full), full layers
+    # with k = v, no PLE, and beside each dense MLP 128 experts of width 704, 8 per token.
+    "26b-a4b": dict(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                    num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                    head_dim=256, global_head_dim=512, num_kv_shared_layers=0,
+                    hidden_size_per_layer_input=0, use_double_wide_mlp=False, period=6,
+                    attention_k_eq_v=True, enable_moe_block=True, num_experts=128,
+                    top_k_experts=8, moe_intermediate_size=704),
+    # The MoE layout at a CPU-sized shape.
+    "small-moe": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1,
+                      head_dim=64, global_head_dim=128, num_kv_shared_layers=0,
+                      hidden_size_per_layer_input=0, use_double_wide_mlp=False, period=3,
+                      attention_k_eq_v=True, enable_moe_block=True, num_experts=8,
+                      top_k_experts=2, moe_intermediate_size=128),
     # A small shape for checking this script on a CPU.
     "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=1, num_global_key_value_heads=1,
@@ -48,9 +64,11 @@ DIMS = {
 def config_for(name: str) -> dict:
     d = dict(DIMS[name])
     period = d.pop("period")
-    vocab = 262144 if name != "small" else 4096
+    vocab = 262144 if not name.startswith("small") else 4096
     return {
         "model_type": "gemma4_text",
+        "attention_k_eq_v": False,
+        "enable_moe_block": False,
         **d,
         "vocab_size": vocab,
         "vocab_size_per_layer_input": vocab,
@@ -63,9 +81,7 @@ def config_for(name: str) -> dict:
             "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
                                "partial_rotary_factor": 0.25},
         },
-        "attention_k_eq_v": False,
         "final_logit_softcapping": 30.0,
-        "enable_moe_block": False,
         "tie_word_embeddings": True,
         "max_position_embeddings": 131072,
         "bos_token_id": 2,
@@ -168,7 +184,9 @@ def main() -> None:
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     if args.bits:
-        model, config = quantize_model(model, config, 64, args.bits)
+        # The model's own predicate: the MoE router at 8 bits, as mlx-lm's convert does.
+        model, config = quantize_model(model, config, 64, args.bits,
+                                       quant_predicate=model.quant_predicate)
     out = Path(args.out)
     save_model(out, model)
     save_config(config, out / "config.json")

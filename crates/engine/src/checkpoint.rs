@@ -213,11 +213,18 @@ impl Weights<'_> {
     /// when `<module>.scales` exists. Group size and bits come from the config's map for this
     /// module, else its defaults, else the shapes; the shapes must agree in every case.
     pub fn matrix(&self, module: &str, rows: i32, cols: i32) -> Result<Matrix> {
+        self.matrices(module, &[], rows, cols)
+    }
+
+    /// [`Weights::matrix`] for a stack of matrices `[lead…, rows, cols]` (a mixture-of-experts
+    /// layer's `[experts, out, in]`), quantized matrix by matrix along the last axis.
+    pub fn matrices(&self, module: &str, lead: &[i32], rows: i32, cols: i32) -> Result<Matrix> {
+        let shape = |last: &[i32]| -> Vec<i32> { lead.iter().chain(last).copied().collect() };
         let weight_name = format!("{module}.weight");
         let scales_name = format!("{module}.scales");
         let full_module = self.full(module);
         if !self.contains(&scales_name) {
-            return Ok(Matrix::Dense(self.get(&weight_name, &[rows, cols])?));
+            return Ok(Matrix::Dense(self.get(&weight_name, &shape(&[rows, cols]))?));
         }
         let named = self.quantization.named(&full_module).or_else(|| {
             // mlx-lm writes override keys without the `language_model.model.` style prefix too.
@@ -247,7 +254,7 @@ impl Weights<'_> {
             return Err(Error::TensorShape {
                 name: self.full(&weight_name),
                 actual: raw_weight.shape(),
-                expected: vec![rows, cols * spec.bits / 32],
+                expected: shape(&[rows, cols * spec.bits / 32]),
             });
         }
         if ![2, 3, 4, 5, 6, 8].contains(&spec.bits) || ![32, 64, 128].contains(&spec.group_size) {
@@ -257,9 +264,10 @@ impl Weights<'_> {
                 reason: "affine bits 2/3/4/5/6/8 with groups 32/64/128".into(),
             });
         }
-        let weight = self.get(&weight_name, &[rows, cols * spec.bits / 32])?;
-        let scales = self.get(&scales_name, &[rows, cols / spec.group_size])?;
-        let biases = self.get(&format!("{module}.biases"), &[rows, cols / spec.group_size])?;
+        let weight = self.get(&weight_name, &shape(&[rows, cols * spec.bits / 32]))?;
+        let scales = self.get(&scales_name, &shape(&[rows, cols / spec.group_size]))?;
+        let groups = shape(&[rows, cols / spec.group_size]);
+        let biases = self.get(&format!("{module}.biases"), &groups)?;
         Ok(Matrix::Quantized(QuantizedMatrix {
             weight,
             scales,

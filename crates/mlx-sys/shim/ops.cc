@@ -91,6 +91,10 @@ std::unique_ptr<Array> argmin(const Array& a, int32_t axis, bool keepdims) {
   return boxed(mx::argmin(a, axis, keepdims));
 }
 std::unique_ptr<Array> matmul(const Array& a, const Array& b) { return boxed(mx::matmul(a, b)); }
+std::unique_ptr<Array> gather_mm(const Array& a, const Array& b, const Array* lhs_indices,
+                                 const Array* rhs_indices, bool sorted_indices) {
+  return boxed(mx::gather_mm(a, b, opt(lhs_indices), opt(rhs_indices), sorted_indices));
+}
 std::unique_ptr<Array> addmm(const Array& c, const Array& a, const Array& b, float alpha,
                              float beta) {
   return boxed(mx::addmm(c, a, b, alpha, beta));

@@ -99,6 +99,8 @@ std::unique_ptr<Array> reduce_all(ReduceOp op, const Array& a, bool keepdims);
 std::unique_ptr<Array> argmax(const Array& a, int32_t axis, bool keepdims);
 std::unique_ptr<Array> argmin(const Array& a, int32_t axis, bool keepdims);
 std::unique_ptr<Array> matmul(const Array& a, const Array& b);
+std::unique_ptr<Array> gather_mm(const Array& a, const Array& b, const Array* lhs_indices,
+                                 const Array* rhs_indices, bool sorted_indices);
 std::unique_ptr<Array> addmm(const Array& c, const Array& a, const Array& b, float alpha,
                              float beta);
 std::unique_ptr<Array> astype(const Array& a, Dtype dtype);

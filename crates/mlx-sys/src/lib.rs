@@ -179,6 +179,13 @@ pub mod ffi {
         fn argmax(a: &Array, axis: i32, keepdims: bool) -> Result<UniquePtr<Array>>;
         fn argmin(a: &Array, axis: i32, keepdims: bool) -> Result<UniquePtr<Array>>;
         fn matmul(a: &Array, b: &Array) -> Result<UniquePtr<Array>>;
+        unsafe fn gather_mm(
+            a: &Array,
+            b: &Array,
+            lhs_indices: *const Array,
+            rhs_indices: *const Array,
+            sorted_indices: bool,
+        ) -> Result<UniquePtr<Array>>;
         fn addmm(
             c: &Array,
             a: &Array,

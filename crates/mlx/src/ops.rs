@@ -193,6 +193,32 @@ impl Array {
         check(ffi::matmul(self.raw(), other.raw())).map(Array::wrap)
     }
 
+    /// Batched matrix product that picks its operands by index (mixture-of-experts routing):
+    /// `rhs_indices` selects one matrix of `other`'s batch for each batch entry of `self`,
+    /// `lhs_indices` one of `self`'s. `sorted_indices` promises `rhs_indices` is sorted.
+    #[track_caller]
+    #[allow(unsafe_code)]
+    pub fn gather_matmul(
+        &self,
+        other: &Array,
+        lhs_indices: Option<&Array>,
+        rhs_indices: Option<&Array>,
+        sorted_indices: bool,
+    ) -> Result<Array> {
+        use crate::fast::opt_ptr;
+        // SAFETY: each pointer is null or borrows an argument that outlives the call.
+        check(unsafe {
+            ffi::gather_mm(
+                self.raw(),
+                other.raw(),
+                opt_ptr(lhs_indices),
+                opt_ptr(rhs_indices),
+                sorted_indices,
+            )
+        })
+        .map(Array::wrap)
+    }
+
     /// A copy converted to `dtype`.
     #[track_caller]
     pub fn astype(&self, dtype: Dtype) -> Result<Array> {

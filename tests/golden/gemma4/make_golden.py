@@ -168,6 +168,14 @@ def text_only_config() -> dict:
     return cfg
 
 
+def moe_config() -> dict:
+    """text_only's layout with Gemma 4's mixture-of-experts block on every layer (the 26B-A4B
+    layout at toy size): 4 experts, 2 per token, expert width 32."""
+    cfg = text_only_config()
+    cfg.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    return cfg
+
+
 # name -> how it is made: "gemma4"/"gemma4_text" from a config and a weight seed, or "quantized"
 # from another folder; prompt_seed picks the prompt.
 CHECKPOINTS = {
@@ -180,6 +188,8 @@ CHECKPOINTS = {
     "dense_q4": dict(kind="quantized", source="dense", bits=4, group_size=32, prompt_seed=101),
     "dense_q8": dict(kind="quantized", source="dense", bits=8, group_size=32, prompt_seed=101),
     "text_only": dict(kind="gemma4_text", seed=3, prompt_seed=103, config=text_only_config),
+    "moe": dict(kind="gemma4_text", seed=4, prompt_seed=104, config=moe_config),
+    "moe_q4": dict(kind="quantized_text", source="moe", bits=4, group_size=32, prompt_seed=104),
 }
 
 
@@ -195,7 +205,8 @@ def random_weights(model, seed: int) -> dict:
     for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
         parts = name.split(".")
         is_norm = (parts[-1] == "weight" and len(parts) > 1 and "norm" in parts[-2]) \
-            or parts[-1] == "layer_scalar"
+            or parts[-1] == "layer_scalar" \
+            or (len(parts) > 1 and parts[-2] == "router" and parts[-1] != "proj")
         n = rng.standard_normal(tuple(p.shape))
         w = (1.0 + 0.1 * n) if is_norm else (0.05 * n)
         out[name] = mx.array(w.astype(np.float32))
@@ -390,6 +401,19 @@ def quantize(src_folder: Path, bits: int, group_size: int):
     return qconfig, model
 
 
+def quantize_text(src_folder: Path, bits: int, group_size: int):
+    """What `mlx_lm.convert --quantize` does for a gemma4_text checkpoint: its quantize_model
+    with the model's quant_predicate (the MoE router at 8 bits, group 64)."""
+    model = load_lm(src_folder)
+    with open(src_folder / "config.json") as f:
+        config = json.load(f)
+    with redirect_stdout(io.StringIO()):
+        model, qconfig = mlx_lm.utils.quantize_model(model, config, group_size, bits,
+                                                     mode="affine",
+                                                     quant_predicate=model.quant_predicate)
+    return qconfig, model
+
+
 def generate(out: Path, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     all_notes = {}
@@ -411,6 +435,11 @@ def generate(out: Path, log=print) -> dict:
             model.update(tree_unflatten(list(random_weights(model, spec["seed"]).items())))
             write_checkpoint(folder, config, model, "mlx_lm")
             g = goldens(name, folder, make_prompt(spec["prompt_seed"]), "gemma4_text", True, notes)
+        elif spec["kind"] == "quantized_text":
+            qconfig, model = quantize_text(out / spec["source"], spec["bits"], spec["group_size"])
+            write_checkpoint(folder, qconfig, model, "mlx_lm")
+            g = goldens(name, folder, make_prompt(spec["prompt_seed"]), "gemma4_text", False,
+                        notes)
         else:
             qconfig, model = quantize(out / spec["source"], spec["bits"], spec["group_size"])
             write_checkpoint(folder, qconfig, model, "mlx_vlm")

@@ -5,7 +5,8 @@
 //! Per-layer embeddings (PLE), sliding and full layers with their own rope (proportional on
 //! full layers), q/k/v norms with attention scale 1, KV-shared tail layers that attend their
 //! donor's read, double-wide MLPs on shared layers, `attention_k_eq_v`, `layer_scalar`, final
-//! logit softcapping and a tied head. MoE is refused at load.
+//! logit softcapping and a tied head, and the mixture-of-experts block of 26B-A4B (a router
+//! and experts beside each layer's MLP, as mlx-lm's `Router`/`SwitchGLU`).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -18,7 +19,7 @@ use serde_json::Value;
 use crate::cache::{
     AttentionCache, AttentionRead, DecodeFetch, PlainCache, RotatingCache, TraceCache,
 };
-use crate::checkpoint::{ModelDir, Weights};
+use crate::checkpoint::{Matrix, ModelDir, Weights};
 use crate::compiled::DecodeGraphs;
 use crate::error::{Error, Result};
 use crate::fused;
@@ -98,9 +99,18 @@ pub struct Gemma4TextConfig {
     /// `tanh(x / c) · c` on the logits.
     #[serde(default)]
     pub final_logit_softcapping: Option<f32>,
-    /// Mixture-of-experts block (not supported yet).
+    /// Each layer adds a mixture-of-experts block beside its MLP (26B-A4B).
     #[serde(default)]
     pub enable_moe_block: bool,
+    /// Experts per MoE layer.
+    #[serde(default)]
+    pub num_experts: Option<i32>,
+    /// Experts each token is routed to.
+    #[serde(default)]
+    pub top_k_experts: Option<i32>,
+    /// Hidden width of one expert's GeGLU.
+    #[serde(default)]
+    pub moe_intermediate_size: Option<i32>,
     /// The LM head is the embedding table.
     #[serde(default = "default_true")]
     pub tie_word_embeddings: bool,
@@ -149,11 +159,28 @@ impl Gemma4TextConfig {
             parsed.eos_token_id = config.get("eos_token_id").cloned();
         }
         if parsed.enable_moe_block {
-            return Err(Error::Unsupported {
-                key: format!("{prefix_key}enable_moe_block"),
-                value: "true".into(),
-                reason: "Gemma 4 MoE arrives in a later release".into(),
-            });
+            let positive = |key: &str, v: Option<i32>| -> Result<i32> {
+                match v {
+                    Some(n) if n > 0 => Ok(n),
+                    _ => Err(Error::Config {
+                        file: "config.json".into(),
+                        message: format!(
+                            "{prefix_key}enable_moe_block needs a positive {prefix_key}{key}"
+                        ),
+                    }),
+                }
+            };
+            let experts = positive("num_experts", parsed.num_experts)?;
+            let top_k = positive("top_k_experts", parsed.top_k_experts)?;
+            positive("moe_intermediate_size", parsed.moe_intermediate_size)?;
+            if top_k > experts {
+                return Err(Error::Config {
+                    file: "config.json".into(),
+                    message: format!(
+                        "{prefix_key}top_k_experts ({top_k}) exceeds num_experts ({experts})"
+                    ),
+                });
+            }
         }
         if parsed.layer_types.len() != parsed.num_hidden_layers {
             return Err(Error::Config {
@@ -321,10 +348,36 @@ struct PerLayerInput {
     layer: i32,
 }
 
+/// The mixture-of-experts block of a layer (mlx-lm `Router`, `Experts`/`SwitchGLU`): each
+/// token goes to its `top_k` best-scored experts, whose GeGLU outputs, weighted by the softmax
+/// of their scores times a per-expert scale, are summed next to the dense MLP's.
+#[derive(Debug, Clone)]
+struct Moe {
+    /// RMS norm with `router.scale · hidden^-½` as its weight.
+    router_norm: RmsNorm,
+    router: Linear,
+    /// `[experts]`.
+    per_expert_scale: Array,
+    /// `[experts, width, hidden]`, `[experts, width, hidden]`, `[experts, hidden, width]`.
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+    top_k: i32,
+    /// int32 `[experts - top_k, experts)`: where the top k sit after the partition.
+    last_k: Array,
+    /// `pre_feedforward_layernorm_2`: the experts' input.
+    pre_norm: RmsNorm,
+    /// `post_feedforward_layernorm_1`, on the dense MLP's output.
+    post_norm_mlp: RmsNorm,
+    /// `post_feedforward_layernorm_2`, on the experts' output.
+    post_norm_experts: RmsNorm,
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct DecoderLayer {
     pub(crate) attention: Attention,
     mlp: Mlp,
+    moe: Option<Moe>,
     pub(crate) input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
     pre_feedforward_layernorm: RmsNorm,
@@ -704,15 +757,144 @@ pub(crate) fn load_layer(
     } else {
         None
     };
+    let moe = if c.enable_moe_block { Some(load_moe(w, c, &p, &norm)?) } else { None };
     Ok(DecoderLayer {
         attention,
         mlp,
+        moe,
         input_layernorm: norm("input_layernorm")?,
         post_attention_layernorm: norm("post_attention_layernorm")?,
         pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
         post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
         per_layer,
         layer_scalar: w.get(&format!("{p}layer_scalar"), &[1])?,
+    })
+}
+
+/// A layer's router and experts: mlx-lm's names (`experts.switch_glu.{gate,up,down}_proj`,
+/// dense or quantized) or Hugging Face's (`experts.gate_up_proj` `[experts, 2·width, hidden]`
+/// and `experts.down_proj`, dense).
+fn load_moe(
+    w: &Weights<'_>,
+    c: &Gemma4TextConfig,
+    p: &str,
+    norm: &dyn Fn(&str) -> Result<RmsNorm>,
+) -> Result<Moe> {
+    let hidden = c.hidden_size;
+    let (experts, top_k) = (c.num_experts.unwrap_or(0), c.top_k_experts.unwrap_or(0));
+    let width = c.moe_intermediate_size.unwrap_or(0);
+    let r = format!("{p}router.");
+    let scale = w.get(&format!("{r}scale"), &[hidden])?;
+    // As mlx-lm: the scale times hidden^-½ (a Python float, so in the scale's dtype).
+    let norm_weight = scale.multiply_scalar(f64::from(hidden).powf(-0.5))?;
+    let x = format!("{p}experts.");
+    let (gate, up, down) = if w.contains(&format!("{x}gate_up_proj")) {
+        let joined = w.get(&format!("{x}gate_up_proj"), &[experts, 2 * width, hidden])?;
+        let half =
+            |from: i32| joined.slice(&[0, from, 0], &[experts, from + width, hidden], &[1, 1, 1]);
+        (
+            Matrix::Dense(half(0)?),
+            Matrix::Dense(half(width)?),
+            Matrix::Dense(w.get(&format!("{x}down_proj"), &[experts, hidden, width])?),
+        )
+    } else {
+        let s = format!("{x}switch_glu.");
+        (
+            w.matrices(&format!("{s}gate_proj"), &[experts], width, hidden)?,
+            w.matrices(&format!("{s}up_proj"), &[experts], width, hidden)?,
+            w.matrices(&format!("{s}down_proj"), &[experts], hidden, width)?,
+        )
+    };
+    Ok(Moe {
+        router_norm: RmsNorm::new(norm_weight, c.rms_norm_eps),
+        router: Linear::new(w.matrix(&format!("{r}proj"), experts, hidden)?),
+        per_expert_scale: w.get(&format!("{r}per_expert_scale"), &[experts])?,
+        gate,
+        up,
+        down,
+        top_k,
+        last_k: Array::from_slice(&((experts - top_k)..experts).collect::<Vec<i32>>(), &[top_k])?,
+        pre_norm: norm("pre_feedforward_layernorm_2")?,
+        post_norm_mlp: norm("post_feedforward_layernorm_1")?,
+        post_norm_experts: norm("post_feedforward_layernorm_2")?,
+    })
+}
+
+/// Token batches at least this large (token count × `top_k`) are sorted by expert before the
+/// expert products, as mlx-lm does (same rows, read in expert order).
+const SORT_ROUTES_FROM: usize = 64;
+
+impl Moe {
+    /// The dense MLP's output `mlp` `[B, L, H]` combined with the experts' for the residual
+    /// stream `h`: `post₁(mlp) + post₂(experts(pre₂(h)))`.
+    fn forward(&self, h: &Array, mlp: &Array, act: &Activations) -> Result<Array> {
+        let (routes, weights) = self.route(h)?;
+        let experts = self.experts(&self.pre_norm.forward(h)?, &routes, &weights, act)?;
+        Ok(self.post_norm_mlp.forward(mlp)?.add(&self.post_norm_experts.forward(&experts)?)?)
+    }
+
+    /// The `top_k` experts of each token `[B, L, k]` and their weights.
+    fn route(&self, h: &Array) -> Result<(Array, Array)> {
+        let scores = self.router.forward(&self.router_norm.forward(h)?)?;
+        let partitioned = scores.argpartition(-self.top_k, -1)?;
+        // The last k: a view, or in a traced (shapeless) step a gather, which can infer its
+        // shape where a slice cannot.
+        let routes = if crate::cache::tracing() {
+            partitioned.take(&self.last_k, -1)?
+        } else {
+            let s = scores.shape();
+            let n = s.len();
+            let mut start = vec![0; n];
+            start[n - 1] = s[n - 1] - self.top_k;
+            partitioned.slice(&start, &s, &vec![1; n])?
+        };
+        let weights = scores.take_along_axis(&routes, -1)?.softmax(&[-1], false)?;
+        let weights = weights.multiply(&self.per_expert_scale.take(&routes, 0)?)?;
+        Ok((routes, weights))
+    }
+
+    /// mlx-lm's `SwitchGLU` then the weighted sum over the `k` experts: `[B, L, H]`.
+    fn experts(
+        &self,
+        x: &Array,
+        routes: &Array,
+        weights: &Array,
+        act: &Activations,
+    ) -> Result<Array> {
+        let x = x.expand_dims(&[-2, -3])?; // [B, L, 1, 1, H]
+        let sorted = routes.size() >= SORT_ROUTES_FROM;
+        let y = if sorted {
+            // Rows in expert order (each token's row once per route), products, then back.
+            let flat = routes.flatten(0, -1)?;
+            let order = flat.argsort(0)?;
+            let back = order.argsort(0)?;
+            let rows = x
+                .flatten(0, -3)?
+                .take(&order.floor_divide(&order.scalar_like(f64::from(self.top_k))?)?, 0)?;
+            let by_expert = flat.take(&order, 0)?;
+            let y = self.glu(&rows, &by_expert, true, act)?.take(&back, 0)?;
+            let mut shape = routes.shape();
+            shape.extend(y.shape()[1..].iter().copied());
+            y.reshape(&shape)?
+        } else {
+            self.glu(&x, routes, false, act)?
+        };
+        let y = y.squeeze(&[-2])?; // [B, L, k, H]
+        Ok(weights.expand_dims(&[-1])?.multiply(&y)?.sum(&[-2], false)?)
+    }
+
+    fn glu(&self, x: &Array, routes: &Array, sorted: bool, act: &Activations) -> Result<Array> {
+        let up = gather_product(&self.up, x, routes, sorted)?;
+        let gate = gather_product(&self.gate, x, routes, sorted)?;
+        gather_product(&self.down, &act.geglu(&gate, &up)?, routes, sorted)
+    }
+}
+
+/// `x · Wₑᵀ` with `Wₑ` the matrix of `stack` that `routes` names for each row of `x`.
+fn gather_product(stack: &Matrix, x: &Array, routes: &Array, sorted: bool) -> Result<Array> {
+    Ok(match stack {
+        Matrix::Dense(w) => x.gather_matmul(&w.swapaxes(-1, -2)?, None, Some(routes), sorted)?,
+        Matrix::Quantized(q) => q.gather_matmul(x, None, Some(routes), true, sorted)?,
     })
 }
 
@@ -923,6 +1105,10 @@ impl DecoderLayer {
         )?;
         let ff_in = ff_in.ok_or_else(|| Error::InvalidRequest("no MLP input".into()))?;
         let ff = self.mlp.forward(&ff_in, act)?;
+        let ff = match &self.moe {
+            Some(moe) => moe.forward(&h, &ff, act)?,
+            None => ff,
+        };
         let scalar = Some(&self.layer_scalar);
         match (&self.per_layer, per_layer) {
             (Some(pl), Some(inputs)) => {
@@ -1177,7 +1363,13 @@ impl Model for Gemma4Text {
             .iter()
             .map(|l| {
                 let a = &l.attention;
-                let mlp = l.mlp.gate_up.nbytes() + l.mlp.down_proj.nbytes();
+                let mut mlp = l.mlp.gate_up.nbytes() + l.mlp.down_proj.nbytes();
+                if let Some(moe) = &l.moe {
+                    // A token reads the router and its top_k experts' share of the stacks.
+                    let stacks = moe.gate.nbytes() + moe.up.nbytes() + moe.down.nbytes();
+                    let experts = moe.per_expert_scale.size().max(1);
+                    mlp += moe.router.nbytes() + stacks * moe.top_k as usize / experts;
+                }
                 let ple =
                     l.per_layer.as_ref().map_or(0, |p| p.gate.nbytes() + p.projection.nbytes());
                 a.proj.nbytes() + a.o_proj.nbytes() + mlp + ple

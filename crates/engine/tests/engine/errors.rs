@@ -67,7 +67,7 @@ fn missing_shard_is_named() {
 }
 
 #[test]
-fn unsupported_model_type_and_features_are_refused() {
+fn unsupported_model_type_and_incomplete_features_are_refused() {
     let (_dir, path) = checkpoint(|c| c["model_type"] = "llama".into());
     let err = load_err(&path);
     assert!(
@@ -75,10 +75,32 @@ fn unsupported_model_type_and_features_are_refused() {
         "{err:?}"
     );
 
+    // A mixture-of-experts block needs its sizes, and its weights.
     let (_dir, path) = checkpoint(|c| c["text_config"]["enable_moe_block"] = true.into());
     let err = load_err(&path);
     assert!(
-        matches!(&err, Error::Unsupported { key, .. } if key == "text_config.enable_moe_block"),
+        matches!(&err, Error::Config { message, .. } if message.contains("text_config.num_experts")),
+        "{err:?}"
+    );
+    let (_dir, path) = checkpoint(|c| {
+        let t = &mut c["text_config"];
+        t["enable_moe_block"] = true.into();
+        t["num_experts"] = 4.into();
+        t["top_k_experts"] = 5.into();
+        t["moe_intermediate_size"] = 8.into();
+    });
+    let err = load_err(&path);
+    assert!(err.to_string().contains("top_k_experts (5) exceeds num_experts (4)"), "{err}");
+    let (_dir, path) = checkpoint(|c| {
+        let t = &mut c["text_config"];
+        t["enable_moe_block"] = true.into();
+        t["num_experts"] = 4.into();
+        t["top_k_experts"] = 2.into();
+        t["moe_intermediate_size"] = 8.into();
+    });
+    let err = load_err(&path);
+    assert!(
+        matches!(&err, Error::MissingTensor { name, .. } if name.ends_with("router.scale")),
         "{err:?}"
     );
 

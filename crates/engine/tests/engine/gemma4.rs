@@ -1,6 +1,6 @@
 //! Gemma 4 text against the reference: logits of mlx-lm 0.32.2 / mlx-vlm 0.7.10 and their
 //! greedy continuation, recorded by `tests/golden/gemma4/make_golden.py` on tiny random-weight
-//! checkpoints (f32, 4-bit, 8-bit, `attention_k_eq_v`, `gemma4_text`). Every checkpoint's
+//! checkpoints (f32, 4-bit, 8-bit, `attention_k_eq_v`, `gemma4_text`, MoE). Every checkpoint's
 //! sliding window (6 or 8) is shorter than its 40-token prompt.
 
 use std::path::PathBuf;
@@ -126,6 +126,20 @@ fn eight_bit_matches_the_reference() {
     check("dense_q8", 1e-3);
 }
 
+/// The mixture-of-experts block (26B-A4B's layout at toy size: 4 experts, 2 per token): a
+/// 40-token prefill routes 78 rows, so mlx-lm's sorted route runs there and the unsorted one
+/// in every decode step.
+#[test]
+fn mixture_of_experts_matches_the_reference() {
+    check("moe", 1e-4);
+}
+
+/// The same with 4-bit experts (quantized expert products) and the router at 8 bits.
+#[test]
+fn four_bit_mixture_of_experts_matches_the_reference() {
+    check("moe_q4", 1e-3);
+}
+
 /// Compiled decode against the uncompiled step on the same caches' history: from a 3-token
 /// prompt the sliding windows (6 or 8) fill and then wrap during the 40 decoded tokens, so
 /// both slot layouts run (filling rings read by concatenation, then rings written in place).
@@ -136,7 +150,9 @@ fn eight_bit_matches_the_reference() {
 #[test]
 fn compiled_decode_matches_the_uncompiled_step() {
     let graph_count = if mlx::Backend::current() == mlx::Backend::Cuda { 1 } else { 2 };
-    for (name, tolerance) in [("dense", 1e-5), ("k_eq_v", 1e-5), ("dense_q4", 1e-4)] {
+    for (name, tolerance) in
+        [("dense", 1e-5), ("k_eq_v", 1e-5), ("dense_q4", 1e-4), ("moe_q4", 1e-4)]
+    {
         let model = models::load(golden_dir(name)).unwrap();
         let graphs = model.decode_graphs().expect("Gemma 4 has a compiled decode step");
         graphs.set_enabled(true);

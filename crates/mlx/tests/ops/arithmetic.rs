@@ -169,3 +169,18 @@ fn another_thread_waits_for_a_scheduled_array_and_reads_it() {
     });
     assert_eq!(handle.join().unwrap(), 328_350.0);
 }
+
+#[test]
+fn gather_mm_picks_matrices_by_index() {
+    // Two stacked 2x2 matrices; three 1x2 rows routed to matrices 1, 0, 1.
+    let stacked =
+        Array::from_slice(&[1.0f32, 0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0], &[2, 2, 2]).unwrap();
+    let rows = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 1, 2]).unwrap();
+    let route = Array::from_slice(&[1u32, 0, 1], &[3]).unwrap();
+    let out = rows.gather_matmul(&stacked, None, Some(&route), false).unwrap();
+    assert_eq!(out.shape(), vec![3, 1, 2]);
+    // [1 2]·[[2 3][4 5]] = [10 13]; [3 4]·I = [3 4]; [5 6]·[[2 3][4 5]] = [34 45].
+    assert_eq!(out.to_vec::<f32>().unwrap(), vec![10.0, 13.0, 3.0, 4.0, 34.0, 45.0]);
+    let bad = Array::from_slice(&[0u32, 1], &[2]).unwrap();
+    assert!(rows.gather_matmul(&stacked, None, Some(&bad), false).is_err(), "3 rows, 2 indices");
+}
