@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# On the GPU machine: what makes the GPU start a Quince decode step milliseconds after MLX
-# launched it (README, "The GPU starts a step long after MLX launched it"). Plain MLX first
-# (tests/bench/stream_lag.py, one line per kind of op), then Quince's own timeline
-# (`quince bench --gpu-clock`) with each suspect switched in turn, in one invocation:
-# host-made int arrays (--device-step-ints), custom kernels (--decode-fusion), buffer reads,
-# and MLX-CUDA's graphs (MLX_USE_CUDA_GRAPHS=0 launches kernels directly; a larger
+# On the GPU machine: what bounds a Quince decode step (README, "What holds a step at 6.7 ms").
+# Plain MLX first (tests/bench/stream_lag.py, one line per kind of op), then Quince's own
+# timeline (`quince bench --gpu-clock`; since the seventh session the step's token input
+# depends on its start read, so the read times the whole step) with each suspect switched in
+# turn, in one invocation: Quince's 4-bit matrix-vector kernel (--quantized-kernel), graph
+# sizes, host-made int arrays (--device-step-ints), custom kernels (--decode-fusion), buffer
+# reads, and MLX-CUDA's graphs (MLX_USE_CUDA_GRAPHS=0 launches kernels directly; a larger
 # MLX_CUDA_GRAPH_CACHE_SIZE rules out graph re-instantiation from cache eviction).
 # Usage: h200_gpu_lag.sh QUINCE MODEL [PROMPT_TOKENS]
 Q=$1
@@ -19,6 +20,9 @@ timeline() {
     --gpu-clock "$@" 2>&1 | grep -E "decode \(tok|read back|rror|hrash" | tr -s ' ' | tr '\n' ';'
 }
 echo "quince default:               $(timeline)"
+echo "quince --quantized-kernel on: $(timeline --quantized-kernel on)"
+echo "quince 200 ops per graph:     $(MLX_MAX_OPS_PER_BUFFER=200 timeline)"
+echo "quince one graph per step:    $(MLX_MAX_OPS_PER_BUFFER=5000 timeline)"
 echo "quince --device-step-ints on: $(timeline --device-step-ints on)"
 echo "quince --decode-fusion off:   $(timeline --decode-fusion off)"
 echo "quince --buffer-reads off:    $(timeline --buffer-reads off)"

@@ -168,6 +168,10 @@ pub struct BenchArgs {
     /// rotary embeddings and gated activations (`off`: MLX ops, for A/B runs).
     #[arg(long, value_enum, default_value = "on")]
     decode_fusion: Switch,
+    /// Whether a decode step on CUDA multiplies by 4-bit matrices (groups of 64, bf16) with
+    /// Quince's matrix-vector kernel (`on`) or MLX's (`off`, the default; for A/B runs).
+    #[arg(long, value_enum, default_value = "off")]
+    quantized_kernel: Switch,
     /// Whether a decode step on CUDA writes its keys and values inside the attention kernel
     /// (`off`: MLX's slice update and a slice per cache, for A/B runs).
     #[arg(long, value_enum, default_value = "on")]
@@ -535,6 +539,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     engine::cache::set_buffer_reads(args.buffer_reads == Switch::On);
     engine::generate::set_overlapped_decode(args.overlap == Switch::On);
     engine::cache::set_device_step_ints(args.device_step_ints == Switch::On);
+    engine::fused::set_quantized_kernel(args.quantized_kernel == Switch::On);
     let model = load(&args.model)?;
     choose_compiled_decode(model.as_ref(), args.compile, args.no_compile);
     let weight_bytes = model.decode_weight_bytes();
@@ -579,6 +584,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let buffer_reads = if engine::cache::buffer_reads_on() { "on" } else { "off" };
     let overlap = if engine::generate::overlapped_decode() { "on" } else { "off" };
     let step_ints = if engine::cache::device_step_ints() { "on" } else { "off" };
+    let qmv = if engine::fused::quantized_kernel() { "on" } else { "off" };
     if args.json {
         let line = if args.compare {
             json!({
@@ -589,6 +595,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
                 "buffer_reads": buffer_reads,
                 "overlapped_decode": overlap,
                 "device_step_ints": step_ints,
+                "quantized_kernel": qmv,
                 "decode_weight_bytes": weight_bytes,
                 "decode_ops": census,
                 "quince": side(&ours),
@@ -604,6 +611,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             flat["buffer_reads"] = json!(buffer_reads);
             flat["overlapped_decode"] = json!(overlap);
             flat["device_step_ints"] = json!(step_ints);
+            flat["quantized_kernel"] = json!(qmv);
             flat["decode_weight_bytes"] = json!(weight_bytes);
             flat["decode_ops"] = json!(census);
             flat
@@ -623,7 +631,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             format!(
                 " · decode attention {attention} · fused kernels {fusion} · buffer reads \
                  {buffer_reads} · overlapped decode {overlap} · step ints on the device \
-                 {step_ints}"
+                 {step_ints} · 4-bit kernel {qmv}"
             )
         } else {
             String::new()
@@ -823,10 +831,13 @@ fn gpu_clock_steps(
         })?;
     let mut y = engine::models::gemma4::token_array(&first.tokens)?;
     // One step after `y`, with the clock read when the step starts (once `y` is written) and
-    // when its token is.
+    // when its token is. The step reads its token through the start read (`y + 0·t0`): a read
+    // that nothing depends on may run anywhere in the step, and MLX and CUDA graphs put it late
+    // (which made the sixth session's "start lag" figures meaningless).
     let step = |y: &Array, caches: &mut [Box<dyn engine::cache::AttentionCache>]| {
         let Some(t0) = engine::fused::gpu_clock(y)? else { return anyhow::Ok(None) };
-        let logits = model.forward_decode(&y.reshape(&[1, 1])?, caches)?;
+        let zero = t0.astype(y.dtype())?.multiply_scalar(0.0)?.reshape(&[1, 1])?;
+        let logits = model.forward_decode(&y.reshape(&[1, 1])?.add(&zero)?, caches)?;
         let v = logits.dim(-1)?;
         let next = logits.reshape(&[v])?.argmax(0, false)?.astype(mlx::Dtype::Uint32)?;
         let Some(t1) = engine::fused::gpu_clock(&next)? else { return Ok(None) };
@@ -836,7 +847,6 @@ fn gpu_clock_steps(
     let start = std::time::Instant::now();
     for _ in 0..args.gen_tokens {
         let Some((next, t0, t1)) = step(&y, &mut caches)? else { return Ok(None) };
-        // Where a step spans several MLX graphs, MLX records the start read with the last.
         mlx::async_eval(&[&t0, &t1])?;
         clocks.push((t0, t1));
         y = next;
@@ -882,9 +892,8 @@ fn host_ns() -> i128 {
 /// figures are medians in ms: building and submitting a step, the GPU's start read after the
 /// submission started (`gpu_start_lag`), the span between the reads, the end read against the
 /// end of the submission (`gpu_end_after_submit`), and the host having the token after the GPU
-/// wrote it (`token_after_gpu_end`). The start read times the whole step only when the step is
-/// one MLX graph (`MLX_MAX_OPS_PER_BUFFER` above its op count); otherwise MLX records it with
-/// the step's last graph.
+/// wrote it (`token_after_gpu_end`). The step's token input depends on its start read, so the
+/// read runs before the step's work.
 #[allow(clippy::type_complexity)]
 fn read_timeline(
     args: &BenchArgs,

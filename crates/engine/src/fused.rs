@@ -10,7 +10,10 @@
 //! - [`decode_heads`]: q/k/v heads out of one stacked projection, with their per-head norms
 //!   and rotary embedding, for one position;
 //! - [`geglu_halves`], [`geglu_at`]: `gelu(gate) · up` reading the two halves of a stacked
-//!   projection, or one layer's slice of the per-layer inputs.
+//!   projection, or one layer's slice of the per-layer inputs;
+//! - [`quantized_matvec`] (opt-in, [`set_quantized_kernel`]): a 4-bit matrix-vector product
+//!   that reads each weight once for up to 7 rows (it sums in fp32 in its own order, so its
+//!   outputs agree with MLX's within bf16 rounding, not bit for bit).
 //!
 //! Every kernel keeps MLX's rounding: each op of the route it replaces rounds to the
 //! activation dtype where MLX's does (the same values, except where a sum of squares is added
@@ -25,6 +28,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use mlx::fast::{CudaKernel, Launch, TemplateArg};
+use mlx::quantized::QuantizedMatrix;
 use mlx::{Array, Dtype};
 
 use crate::error::{Error, Result};
@@ -735,6 +739,113 @@ fn probe_geglu(kernel: &Rc<CudaKernel>) -> Result<()> {
     let halves = split_last(&joined, &[w, w], &[])?;
     let want = act.geglu(&halves[0], &halves[1])?;
     check_probe("GEGLU", worst(&got, &want)?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// quantized_matvec
+
+static QMV_ON: AtomicBool = AtomicBool::new(false);
+
+/// Turns Quince's 4-bit matrix-vector kernel on or off for the products of a decode step on
+/// CUDA (off by default: not yet measured in a decode step since custom-kernel launches got
+/// cheap; `quince bench --quantized-kernel on` for A/B runs).
+pub fn set_quantized_kernel(on: bool) {
+    QMV_ON.store(on, Ordering::Relaxed);
+}
+
+/// Whether the 4-bit matrix-vector kernel is on (see [`set_quantized_kernel`]).
+pub fn quantized_kernel() -> bool {
+    QMV_ON.load(Ordering::Relaxed)
+}
+
+/// The kernel's body (`crates/engine/src/qmv4.cu`; `tests/bench/qmv_probe.py` times it).
+const QMV_SOURCE: &str = include_str!("qmv4.cu");
+const QMV_THREADS: i32 = 128;
+/// Rows of `x` one launch takes: it reads each weight once for all of them.
+const QMV_MAX_ROWS: usize = 7;
+
+static QMV: Spec = Spec {
+    name: "quince_qmv4",
+    inputs: &["x", "w", "scales", "biases"],
+    outputs: &["y"],
+    source: QMV_SOURCE,
+    probe: probe_qmv,
+};
+
+/// `x · Wᵀ` by Quince's kernel for `q` affine 4-bit in groups of 64 with bf16 scales and up to
+/// 7 rows of bf16 `x` whose width is a multiple of 512; `None` where it does not run (then the
+/// caller uses MLX's product).
+pub fn quantized_matvec(x: &Array, q: &QuantizedMatrix) -> Result<Option<Array>> {
+    if !quantized_kernel() || !applies(x) {
+        return Ok(None);
+    }
+    qmv_by_kernel(x, q, || kernel(&QMV))
+}
+
+fn qmv_by_kernel(
+    x: &Array,
+    q: &QuantizedMatrix,
+    kernel: impl FnOnce() -> Option<Rc<CudaKernel>>,
+) -> Result<Option<Array>> {
+    let k = x.dim(-1)?;
+    let bf16 = |a: &Array| a.dtype() == Dtype::Bfloat16;
+    if !bf16(x)
+        || !bf16(&q.scales)
+        || !bf16(&q.biases)
+        || q.bits != 4
+        || q.group_size != 64
+        || q.weight.ndim() != 2
+        || k % 512 != 0
+        || q.weight.dim(1)? != k / 8
+    {
+        return Ok(None);
+    }
+    let rows = x.size() / k as usize;
+    if rows == 0 || rows > QMV_MAX_ROWS {
+        return Ok(None);
+    }
+    let Some(kernel) = kernel() else { return Ok(None) };
+    let n = q.weight.dim(0)?;
+    let mut out_shape = x.shape();
+    if let Some(last) = out_shape.last_mut() {
+        *last = n;
+    }
+    let outputs = kernel.call(
+        &[x, &q.weight, &q.scales, &q.biases],
+        &[(&out_shape, Dtype::Bfloat16)],
+        // One warp per output column.
+        Launch { grid: [n * 32, 1, 1], threadgroup: [QMV_THREADS, 1, 1] },
+        &[
+            ("M", TemplateArg::Int(rows as i32)),
+            ("R", TemplateArg::Int(1)),
+            ("K", TemplateArg::Int(k)),
+            ("N", TemplateArg::Int(n)),
+        ],
+    )?;
+    Ok(outputs.into_iter().next())
+}
+
+/// Against MLX's product on the same packed matrix, for one row and for three: within bf16
+/// rounding of the largest output.
+fn probe_qmv(kernel: &Rc<CudaKernel>) -> Result<()> {
+    let (n, k) = (40, 1024);
+    let w = probe_values(&[n, k], 0.2)?.multiply_scalar(0.05)?.astype(Dtype::Bfloat16)?;
+    let q = mlx::quantized::quantize(&w, 64, 4)?;
+    for rows in [1, 3] {
+        let x = probe_values(&[rows, k], 0.4)?.astype(Dtype::Bfloat16)?;
+        let Some(got) = qmv_by_kernel(&x, &q, || Some(Rc::clone(kernel)))? else {
+            return Err(Error::InvalidRequest("the 4-bit product probe was refused".into()));
+        };
+        let want = q.matmul(&x, true)?;
+        let scale = want.astype(Dtype::Float32)?.abs()?.max_all(false)?.item::<f32>()?;
+        let off = worst(&got, &want)?;
+        if off > 1e-2 * scale.max(1e-3) {
+            return Err(Error::InvalidRequest(format!(
+                "the 4-bit product probe is off by {off} (largest output {scale})"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Splits the last axis of `x` into parts of `sizes`: views, or, inside a traced step, gathers

@@ -33,7 +33,10 @@ impl Linear {
         Ok(match (&self.weight, &self.transposed) {
             (Matrix::Dense(_), Some(wt)) => x.matmul(wt)?,
             (Matrix::Dense(w), None) => x.matmul(&w.transpose(&[])?)?,
-            (Matrix::Quantized(q), _) => q.matmul(x, true)?,
+            (Matrix::Quantized(q), _) => match crate::fused::quantized_matvec(x, q)? {
+                Some(y) => y,
+                None => q.matmul(x, true)?,
+            },
         })
     }
 }

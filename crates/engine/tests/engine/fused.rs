@@ -193,3 +193,40 @@ fn decode_heads_equal_their_mlx_ops() {
         assert!(fused::kernels_in_use().contains(&"quince_decode_heads"));
     }
 }
+
+/// The opt-in 4-bit matrix-vector kernel against MLX's product on E4B's shapes (o_proj and the
+/// k/v projection), one row and four, and through `Linear` as a decode step calls it. On
+/// CUDA the kernel must run and agree within bf16 rounding of the largest output (it sums in
+/// its own order); elsewhere it never runs, switched on or not.
+#[test]
+fn four_bit_kernel_matches_mlx_products() {
+    fused::set_quantized_kernel(true);
+    for (n, k) in [(2560, 2048), (512, 2560)] {
+        let w = normal(&[n, k], 40, Dtype::Bfloat16).multiply_scalar(0.02).unwrap();
+        let q = mlx::quantized::quantize(&w, 64, 4).unwrap();
+        let linear = engine::nn::Linear::new(engine::checkpoint::Matrix::Quantized(q.clone()));
+        for rows in [1, 4] {
+            let x = normal(&[1, rows, k], 41, Dtype::Bfloat16);
+            let want = q.matmul(&x, true).unwrap();
+            let got = fused::quantized_matvec(&x, &q).unwrap();
+            assert_eq!(got.is_some(), cuda(), "the kernel runs exactly on CUDA");
+            let through_linear = linear.forward(&x).unwrap();
+            for got in got.iter().chain([&through_linear]) {
+                assert_eq!(got.shape(), vec![1, rows, n]);
+                let scale = max_abs(&want);
+                let diff = max_abs(&f32(got).subtract(&f32(&want)).unwrap());
+                assert!(diff <= 1e-2 * scale, "{n}x{k}, {rows} rows: {diff} > 1e-2 · {scale}");
+            }
+        }
+    }
+    // Shapes it does not take (a width that is no multiple of 512, 8 rows) go to MLX.
+    let q = mlx::quantized::quantize(&normal(&[64, 640], 42, Dtype::Bfloat16), 64, 4).unwrap();
+    assert!(
+        fused::quantized_matvec(&normal(&[1, 640], 43, Dtype::Bfloat16), &q).unwrap().is_none()
+    );
+    let q = mlx::quantized::quantize(&normal(&[64, 512], 44, Dtype::Bfloat16), 64, 4).unwrap();
+    assert!(
+        fused::quantized_matvec(&normal(&[8, 512], 45, Dtype::Bfloat16), &q).unwrap().is_none()
+    );
+    fused::set_quantized_kernel(false);
+}
