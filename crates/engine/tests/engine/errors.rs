@@ -82,22 +82,19 @@ fn unsupported_model_type_and_incomplete_features_are_refused() {
         matches!(&err, Error::Config { message, .. } if message.contains("text_config.num_experts")),
         "{err:?}"
     );
-    let (_dir, path) = checkpoint(|c| {
-        let t = &mut c["text_config"];
-        t["enable_moe_block"] = true.into();
-        t["num_experts"] = 4.into();
-        t["top_k_experts"] = 5.into();
-        t["moe_intermediate_size"] = 8.into();
-    });
+    let moe = |top_k: i32| {
+        checkpoint(move |c| {
+            let t = &mut c["text_config"];
+            t["enable_moe_block"] = true.into();
+            t["num_experts"] = 4.into();
+            t["top_k_experts"] = top_k.into();
+            t["moe_intermediate_size"] = 8.into();
+        })
+    };
+    let (_dir, path) = moe(5);
     let err = load_err(&path);
     assert!(err.to_string().contains("top_k_experts (5) exceeds num_experts (4)"), "{err}");
-    let (_dir, path) = checkpoint(|c| {
-        let t = &mut c["text_config"];
-        t["enable_moe_block"] = true.into();
-        t["num_experts"] = 4.into();
-        t["top_k_experts"] = 2.into();
-        t["moe_intermediate_size"] = 8.into();
-    });
+    let (_dir, path) = moe(2);
     let err = load_err(&path);
     assert!(
         matches!(&err, Error::MissingTensor { name, .. } if name.ends_with("router.scale")),
