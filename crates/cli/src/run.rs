@@ -169,8 +169,8 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value = "on")]
     decode_fusion: Switch,
     /// Whether a decode step on CUDA multiplies by 4-bit matrices (groups of 64, bf16) with
-    /// Quince's matrix-vector kernel (`on`) or MLX's (`off`, the default; for A/B runs).
-    #[arg(long, value_enum, default_value = "off")]
+    /// Quince's matrix-vector kernel (`on`, the default) or MLX's (`off`, for A/B runs).
+    #[arg(long, value_enum, default_value = "on")]
     quantized_kernel: Switch,
     /// Whether a decode step on CUDA writes its keys and values inside the attention kernel
     /// (`off`: MLX's slice update and a slice per cache, for A/B runs).

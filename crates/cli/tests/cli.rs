@@ -242,7 +242,7 @@ fn bench_json_has_the_speed_fields() {
     assert_eq!(json["read_ms_per_step"].as_f64().unwrap(), wait);
     assert_eq!(json["overlapped_decode"], "off");
     assert_eq!(json["device_step_ints"], "off");
-    assert_eq!(json["quantized_kernel"], "off");
+    assert_eq!(json["quantized_kernel"], "on");
     let ops = |json: &serde_json::Value, name: &str| json["decode_ops"][name].as_u64();
     let total: u64 =
         json["decode_ops"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum();

@@ -13,7 +13,7 @@
 //!   and rotary embedding, for one position;
 //! - [`geglu_halves`], [`geglu_at`]: `gelu(gate) · up` reading the two halves of a stacked
 //!   projection, or one layer's slice of the per-layer inputs;
-//! - [`quantized_matvec`] (opt-in, [`set_quantized_kernel`]): a 4-bit matrix-vector product
+//! - [`quantized_matvec`] (on by default, [`set_quantized_kernel`]): a 4-bit matrix-vector product
 //!   that reads each weight once for up to 7 rows (it sums in fp32 in its own order, so its
 //!   outputs agree with MLX's within bf16 rounding, not bit for bit).
 //!
@@ -746,11 +746,11 @@ fn probe_geglu(kernel: &Rc<CudaKernel>) -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // quantized_matvec
 
-static QMV_ON: AtomicBool = AtomicBool::new(false);
+static QMV_ON: AtomicBool = AtomicBool::new(true);
 
 /// Turns Quince's 4-bit matrix-vector kernel on or off for the products of a decode step on
-/// CUDA (off by default: not yet measured in a decode step since custom-kernel launches got
-/// cheap; `quince bench --quantized-kernel on` for A/B runs).
+/// CUDA (on by default: on the H200 it took an E4B 4-bit step's GPU time from 6.7 to 5.3 ms;
+/// `quince bench --quantized-kernel off` for A/B runs).
 pub fn set_quantized_kernel(on: bool) {
     QMV_ON.store(on, Ordering::Relaxed);
 }
@@ -827,19 +827,23 @@ fn qmv_by_kernel(
     Ok(outputs.into_iter().next())
 }
 
-/// Against MLX's product on the same packed matrix, for one row and for three: within bf16
-/// rounding of the largest output.
+/// Against the exact product of the same packed matrix (dequantized, in fp32), for one row and
+/// for three: within 1 % of the largest output. Not against MLX's product: on the probe's smooth
+/// values (outputs that are small sums of large terms) MLX-CUDA's own product differs from this
+/// one by ~2 % of the largest output (seen on the H200; bf16 rounding inside its kernel, most
+/// likely), and the kernel was refused for it.
 fn probe_qmv(kernel: &Rc<CudaKernel>) -> Result<()> {
     let (n, k) = (40, 1024);
     let w = probe_values(&[n, k], 0.2)?.multiply_scalar(0.05)?.astype(Dtype::Bfloat16)?;
     let q = mlx::quantized::quantize(&w, 64, 4)?;
+    let exact_w = q.dequantize()?.astype(Dtype::Float32)?.transpose(&[1, 0])?;
     for rows in [1, 3] {
         let x = probe_values(&[rows, k], 0.4)?.astype(Dtype::Bfloat16)?;
         let Some(got) = qmv_by_kernel(&x, &q, || Some(Rc::clone(kernel)))? else {
             return Err(Error::InvalidRequest("the 4-bit product probe was refused".into()));
         };
-        let want = q.matmul(&x, true)?;
-        let scale = want.astype(Dtype::Float32)?.abs()?.max_all(false)?.item::<f32>()?;
+        let want = x.astype(Dtype::Float32)?.matmul(&exact_w)?;
+        let scale = want.abs()?.max_all(false)?.item::<f32>()?;
         let off = worst(&got, &want)?;
         if off > 1e-2 * scale.max(1e-3) {
             return Err(Error::InvalidRequest(format!(

@@ -194,7 +194,7 @@ fn decode_heads_equal_their_mlx_ops() {
     }
 }
 
-/// The opt-in 4-bit matrix-vector kernel against MLX's product on E4B's shapes (o_proj and the
+/// The 4-bit matrix-vector kernel against MLX's product on E4B's shapes (o_proj and the
 /// k/v projection), one row and four, and through `Linear` as a decode step calls it. On
 /// CUDA the kernel must run and agree within bf16 rounding of the largest output (it sums in
 /// its own order); elsewhere it never runs, switched on or not.
@@ -209,7 +209,12 @@ fn four_bit_kernel_matches_mlx_products() {
             let x = normal(&[1, rows, k], 41, Dtype::Bfloat16);
             let want = q.matmul(&x, true).unwrap();
             let got = fused::quantized_matvec(&x, &q).unwrap();
-            assert_eq!(got.is_some(), cuda(), "the kernel runs exactly on CUDA");
+            assert_eq!(
+                got.is_some(),
+                cuda(),
+                "the kernel runs exactly on CUDA (in use: {:?})",
+                fused::kernels_in_use()
+            );
             let through_linear = linear.forward(&x).unwrap();
             for got in got.iter().chain([&through_linear]) {
                 assert_eq!(got.shape(), vec![1, rows, n]);
@@ -228,5 +233,10 @@ fn four_bit_kernel_matches_mlx_products() {
     assert!(
         fused::quantized_matvec(&normal(&[8, 512], 45, Dtype::Bfloat16), &q).unwrap().is_none()
     );
+    // Switched off, it never runs.
     fused::set_quantized_kernel(false);
+    let x = normal(&[1, 1, 2048], 46, Dtype::Bfloat16);
+    let q = mlx::quantized::quantize(&normal(&[64, 2048], 47, Dtype::Bfloat16), 64, 4).unwrap();
+    assert!(fused::quantized_matvec(&x, &q).unwrap().is_none());
+    fused::set_quantized_kernel(true);
 }
