@@ -8,6 +8,7 @@
 //! logit softcapping and a tied head, and the mixture-of-experts block of 26B-A4B (a router
 //! and experts beside each layer's MLP, as mlx-lm's `Router`/`SwitchGLU`).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -371,6 +372,9 @@ struct Moe {
     post_norm_mlp: RmsNorm,
     /// `post_feedforward_layernorm_2`, on the experts' output.
     post_norm_experts: RmsNorm,
+    /// The rows the expert products read for the last routes' shape (see
+    /// [`Moe::row_indices`]).
+    rows: RefCell<Option<RouteRows>>,
 }
 
 #[derive(Debug, Clone)]
@@ -817,7 +821,17 @@ fn load_moe(
         pre_norm: norm("pre_feedforward_layernorm_2")?,
         post_norm_mlp: norm("post_feedforward_layernorm_1")?,
         post_norm_experts: norm("post_feedforward_layernorm_2")?,
+        rows: RefCell::new(None),
     })
+}
+
+/// Which row of its input each routed product reads, `[B, L, k]` for routes `[B, L, k]`.
+#[derive(Debug, Clone)]
+struct RouteRows {
+    /// The token's row, `b·L + l` (the gate and up products read `[B, L, 1, 1, H]`).
+    token: Array,
+    /// The route's own row, `(b·L + l)·k + j` (the down product reads `[B, L, k, 1, W]`).
+    route: Array,
 }
 
 /// Token batches at least this large (token count × `top_k`) are sorted by expert before the
@@ -872,29 +886,68 @@ impl Moe {
                 .flatten(0, -3)?
                 .take(&order.floor_divide(&order.scalar_like(f64::from(self.top_k))?)?, 0)?;
             let by_expert = flat.take(&order, 0)?;
-            let y = self.glu(&rows, &by_expert, true, act)?.take(&back, 0)?;
+            let y = self.glu(&rows, None, &by_expert, true, act)?.take(&back, 0)?;
             let mut shape = routes.shape();
             shape.extend(y.shape()[1..].iter().copied());
             y.reshape(&shape)?
         } else {
-            self.glu(&x, routes, false, act)?
+            let rows = self.row_indices(routes)?;
+            self.glu(&x, rows.as_ref(), routes, false, act)?
         };
         let y = y.squeeze(&[-2])?; // [B, L, k, H]
         Ok(weights.expand_dims(&[-1])?.multiply(&y)?.sum(&[-2], false)?)
     }
 
-    fn glu(&self, x: &Array, routes: &Array, sorted: bool, act: &Activations) -> Result<Array> {
-        let up = gather_product(&self.up, x, routes, sorted)?;
-        let gate = gather_product(&self.gate, x, routes, sorted)?;
-        gather_product(&self.down, &act.geglu(&gate, &up)?, routes, sorted)
+    /// The rows the expert products read (see [`RouteRows`]), evaluated constants made once per
+    /// routes' shape. Without them MLX makes the same indices in every gathered product
+    /// (`Arange`, `Reshape`, `Broadcast`: 9 ops a layer in a decode step). `None` inside a
+    /// traced step, whose shapes are not fixed: MLX's own indices then.
+    fn row_indices(&self, routes: &Array) -> Result<Option<RouteRows>> {
+        if crate::cache::tracing() {
+            return Ok(None);
+        }
+        let shape = routes.shape();
+        if let Some(rows) = self.rows.borrow().as_ref().filter(|r| r.route.shape() == shape) {
+            return Ok(Some(rows.clone()));
+        }
+        let (b, l, k) = (shape[0], shape[1], shape[2]);
+        let count = |n: i32| ops::arange(0.0, f64::from(n), 1.0, routes.dtype());
+        let rows = RouteRows {
+            token: count(b * l)?.reshape(&[b, l, 1])?.broadcast_to(&shape)?,
+            route: count(b * l * k)?.reshape(&shape)?,
+        };
+        mlx::eval(&[&rows.token, &rows.route])?;
+        *self.rows.borrow_mut() = Some(rows.clone());
+        Ok(Some(rows))
+    }
+
+    fn glu(
+        &self,
+        x: &Array,
+        rows: Option<&RouteRows>,
+        routes: &Array,
+        sorted: bool,
+        act: &Activations,
+    ) -> Result<Array> {
+        let token = rows.map(|r| &r.token);
+        let up = gather_product(&self.up, x, token, routes, sorted)?;
+        let gate = gather_product(&self.gate, x, token, routes, sorted)?;
+        gather_product(&self.down, &act.geglu(&gate, &up)?, rows.map(|r| &r.route), routes, sorted)
     }
 }
 
-/// `x · Wₑᵀ` with `Wₑ` the matrix of `stack` that `routes` names for each row of `x`.
-fn gather_product(stack: &Matrix, x: &Array, routes: &Array, sorted: bool) -> Result<Array> {
+/// `x · Wₑᵀ` with `Wₑ` the matrix of `stack` that `routes` names for each row of `x` (the row
+/// `rows` names, or MLX's broadcast of the batch when `None`).
+fn gather_product(
+    stack: &Matrix,
+    x: &Array,
+    rows: Option<&Array>,
+    routes: &Array,
+    sorted: bool,
+) -> Result<Array> {
     Ok(match stack {
-        Matrix::Dense(w) => x.gather_matmul(&w.swapaxes(-1, -2)?, None, Some(routes), sorted)?,
-        Matrix::Quantized(q) => q.gather_matmul(x, None, Some(routes), true, sorted)?,
+        Matrix::Dense(w) => x.gather_matmul(&w.swapaxes(-1, -2)?, rows, Some(routes), sorted)?,
+        Matrix::Quantized(q) => q.gather_matmul(x, rows, Some(routes), true, sorted)?,
     })
 }
 
