@@ -899,8 +899,8 @@ impl Moe {
     }
 
     /// The rows the expert products read (see [`RouteRows`]), evaluated constants made once per
-    /// routes' shape. Without them MLX makes the same indices in every gathered product
-    /// (`Arange`, `Reshape`, `Broadcast`: 9 ops a layer in a decode step). `None` inside a
+    /// routes' shape. Without them MLX makes the same indices in every gathered product (an
+    /// `Arange` and a `Reshape` in each, a `Broadcast` in two: 8 ops a layer per step). `None` inside a
     /// traced step, whose shapes are not fixed: MLX's own indices then.
     fn row_indices(&self, routes: &Array) -> Result<Option<RouteRows>> {
         if crate::cache::tracing() {
