@@ -69,7 +69,7 @@ beforeEach(() => {
       ...reply,
       state: "complete",
       content: "Hello **world**",
-      stats: { stop_reason: "stop", prompt_tokens: 12, reused_tokens: 0, resumed: false, generated_tokens: 34, ttft_ms: 123, decode_tok_s: 45.6, peak_mem_bytes: 0, spec: null },
+      stats: { stop_reason: "stop", prompt_tokens: 12, reused_tokens: 0, generated_tokens: 34, ttft_ms: 123, prefill_tok_s: 0, restore_ms: 0, decode_tok_s: 45.6, peak_mem_bytes: 0, spec: null },
     };
     onEvent.onmessage({ kind: "done", reply: final });
     conv = { ...conv, title: text, messages: [user, final] };

@@ -58,7 +58,10 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         use engine::Error as E;
         match self {
-            Error::Model(E::ContextOverflow { .. }) => ErrorKind::PromptTooLong,
+            Error::Model(E::ContextOverflow { .. } | E::PromptTooLong { .. }) => {
+                ErrorKind::PromptTooLong
+            }
+            Error::Model(E::Cancelled) => ErrorKind::Cancelled,
             Error::Model(E::InvalidImage { .. }) => ErrorKind::BadImage,
             Error::Model(E::InvalidRequest(_)) => ErrorKind::Invalid,
             Error::Model(E::Mlx(_)) | Error::Mlx(_) | Error::Engine(_) => ErrorKind::Internal,

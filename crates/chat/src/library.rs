@@ -8,12 +8,6 @@ use crate::view::{ModelEntry, ModelSource};
 /// The demo model's display name.
 pub const DEMO_NAME: &str = "Demo (untrained)";
 
-/// `model_type`s the engine loads.
-const SUPPORTED: &[&str] = &["gemma4", "gemma4_text"];
-
-/// `model_type`s of drafters (speculative decoding only).
-pub const DRAFTERS: &[&str] = &["gemma4_assistant"];
-
 /// Describes the model folder at `path`; `problem` says why it cannot be loaded, if it cannot.
 pub fn describe(path: &Path, source: ModelSource, name: String) -> ModelEntry {
     let mut entry = ModelEntry {
@@ -46,14 +40,14 @@ fn inspect(path: &Path) -> Result<(bool, u64, bool), String> {
         .map_err(|_| "no config.json: not a model folder".to_string())?;
     let config: serde_json::Value =
         serde_json::from_str(&config).map_err(|e| format!("config.json is not valid JSON: {e}"))?;
-    let model_type = config.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
-    let drafter = DRAFTERS.contains(&model_type);
-    if !SUPPORTED.contains(&model_type) && !drafter {
+    let model_type = engine::registry::model_type_of(&config);
+    let Some(family) = engine::registry::family(model_type) else {
         return Err(format!(
             "model type {model_type:?} is not supported yet (supported: {})",
-            SUPPORTED.join(", ")
+            engine::registry::model_types().join(", ")
         ));
-    }
+    };
+    let drafter = family.is_drafter();
     let mut bytes = 0;
     let entries = std::fs::read_dir(path).map_err(|e| format!("cannot list the folder: {e}"))?;
     for entry in entries.flatten() {
@@ -70,8 +64,7 @@ fn inspect(path: &Path) -> Result<(bool, u64, bool), String> {
     if !drafter && !path.join("tokenizer.json").is_file() {
         return Err("no tokenizer.json in the folder".into());
     }
-    let vision = config.get("vision_config").is_some_and(|v| !v.is_null());
-    Ok((vision, bytes, drafter))
+    Ok(((family.takes_images)(&config), bytes, drafter))
 }
 
 /// Where the Hugging Face cache is: `HF_HUB_CACHE`, else `HF_HOME/hub`, else

@@ -1,78 +1,19 @@
 //! What front ends see: plain serializable values, with TypeScript declarations generated from
-//! them ([`typescript_bindings`]) so the web UI and Rust cannot drift apart.
+//! them ([`typescript_bindings`]) so the web UI and Rust cannot drift apart. A reply's
+//! statistics, stop reason and speculation settings are the engine's own types.
 
 use serde::{Deserialize, Serialize};
 use store::{MessageState, Role};
 use ts_rs::TS;
 
-/// Statistics of a finished reply.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
-pub struct ReplyStats {
-    /// `stop` (end of turn), `length` (token budget) or `stopped` (by the user).
-    pub stop_reason: String,
-    /// Tokens in the prompt, images included.
-    pub prompt_tokens: u32,
-    /// Prompt tokens restored from a KV checkpoint (the rest were prefilled).
-    #[serde(default)]
-    pub reused_tokens: u32,
-    /// Whether the reply resumed from a KV checkpoint.
-    #[serde(default)]
-    pub resumed: bool,
-    /// Tokens generated.
-    pub generated_tokens: u32,
-    /// Time to the first token, ms.
-    pub ttft_ms: f64,
-    /// Decode speed, tokens per second.
-    pub decode_tok_s: f64,
-    /// Peak memory while generating, bytes.
-    #[ts(type = "number")]
-    pub peak_mem_bytes: u64,
-    /// Speculative decoding's counts, when it ran.
-    #[serde(default)]
-    pub spec: Option<SpecView>,
-}
-
+/// Why a reply ended.
+pub use engine::generate::StopReason;
 /// Speculative decoding's counts for one reply.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
-pub struct SpecView {
-    /// `lookup` or `draft`.
-    pub method: String,
-    /// Verify rounds.
-    pub rounds: u32,
-    /// Draft tokens proposed.
-    pub proposed: u32,
-    /// Draft tokens the target accepted.
-    pub accepted: u32,
-    /// accepted / proposed.
-    pub acceptance_rate: f64,
-    /// Drafts accepted per round.
-    pub mean_accepted_length: f64,
-    /// Conversation tokens the method computed before drafting: a draft model's prefill of
-    /// what its caches lacked (kept from the last reply, or restored with the checkpoint).
-    pub context_computed: u32,
-}
-
-/// How a conversation's replies are decoded: plainly, or speculatively with a draft method
-/// (the same tokens either way).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, TS)]
-#[serde(tag = "method", rename_all = "snake_case")]
-pub enum Speculation {
-    /// One token per step.
-    #[default]
-    Off,
-    /// Drafts from n-gram matches in the conversation (no model).
-    Lookup,
-    /// Drafts from a smaller model with the same tokenizer.
-    Draft {
-        /// The draft model's folder.
-        model: String,
-    },
-    /// Drafts from a Gemma 4 assistant made for the loaded model.
-    Assistant {
-        /// The `gemma4_assistant` folder.
-        model: String,
-    },
-}
+pub use engine::speculative::SpecStats;
+/// How a conversation's replies are decoded.
+pub use engine::speculative::Speculation;
+/// Statistics of a finished reply: the engine's, stored and shown as they are.
+pub use engine::turn::TurnStats;
 
 /// An image attached to a sent message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
@@ -132,7 +73,7 @@ pub struct ThreadMessage {
     /// Complete, streaming, stopped or error.
     pub state: MessageState,
     /// Statistics of a finished reply.
-    pub stats: Option<ReplyStats>,
+    pub stats: Option<TurnStats>,
     /// Why a reply failed.
     pub error: Option<String>,
     /// Its images.
@@ -507,8 +448,9 @@ pub fn typescript_bindings() -> String {
     let decls = [
         Role::decl(&config),
         MessageState::decl(&config),
-        ReplyStats::decl(&config),
-        SpecView::decl(&config),
+        StopReason::decl(&config),
+        TurnStats::decl(&config),
+        SpecStats::decl(&config),
         Speculation::decl(&config),
         AttachmentView::decl(&config),
         PendingAttachment::decl(&config),

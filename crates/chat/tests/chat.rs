@@ -139,7 +139,7 @@ async fn stop_ends_a_long_reply_and_keeps_it_as_stopped() {
         .unwrap();
     assert_eq!(Some(reply.id), *generation.lock().unwrap());
     assert_eq!(reply.state, MessageState::Stopped);
-    assert_eq!(reply.stats.unwrap().stop_reason, "stopped");
+    assert_eq!(reply.stats.unwrap().stop_reason, chat::view::StopReason::Stopped);
     let pieces = seen.load(Ordering::SeqCst);
     assert!((3..40).contains(&pieces), "stopped soon after asking: {pieces} pieces");
     assert!(!chat.stop(c) && !chat.stop_generation(reply.id), "nothing runs any more");
@@ -371,9 +371,9 @@ async fn checkpoints_resume_reopened_conversations_with_the_output_of_a_cold_run
     let image = chat.import_attachment(&image, "photo.png").await.unwrap().file;
     let warm = converse(&chat, c, 3, Some(&image)).await;
     let stats: Vec<_> = warm.iter().map(|r| r.stats.clone().unwrap()).collect();
-    assert!(!stats[0].resumed && stats[0].reused_tokens == 0, "nothing to resume from at first");
+    assert!(stats[0].reused_tokens == 0, "nothing to resume from at first");
     for s in &stats[1..] {
-        assert!(s.resumed && s.reused_tokens > 100, "later turns resume: {s:?}");
+        assert!(s.reused_tokens > 100, "later turns resume: {s:?}");
         assert!(s.reused_tokens < s.prompt_tokens);
     }
     assert!(stats[2].prompt_tokens > 512, "the conversation outgrew the sliding window");
@@ -385,7 +385,7 @@ async fn checkpoints_resume_reopened_conversations_with_the_output_of_a_cold_run
     let reopened = Chat::open(&f.data).await.unwrap().with_hf_cache(None);
     reopened.load_model(&f.model, |_| {}).await.unwrap();
     let fourth = reopened.send(c, &long_message(3), &[], |_| {}).await.unwrap();
-    assert!(fourth.stats.as_ref().unwrap().resumed, "resumed after a restart");
+    assert!(fourth.stats.as_ref().unwrap().reused_tokens > 0, "resumed after a restart");
 
     // Cold: the same conversation with checkpoints off gives the same bytes.
     let g = fixture();
@@ -400,7 +400,7 @@ async fn checkpoints_resume_reopened_conversations_with_the_output_of_a_cold_run
     let warm_text: Vec<&str> = warm.iter().chain([&fourth]).map(|r| r.content.as_str()).collect();
     let cold_text: Vec<&str> = cold.iter().map(|r| r.content.as_str()).collect();
     assert_eq!(warm_text, cold_text, "resumed replies are byte-identical to cold ones");
-    assert!(cold.iter().all(|r| !r.stats.as_ref().unwrap().resumed));
+    assert!(cold.iter().all(|r| r.stats.as_ref().unwrap().reused_tokens == 0));
     assert!(
         !cold_chat.checkpoints_dir().exists()
             || std::fs::read_dir(cold_chat.checkpoints_dir()).unwrap().count() == 0
@@ -421,13 +421,13 @@ async fn damaged_and_missing_checkpoints_are_dropped_and_the_turn_runs_cold() {
     std::fs::write(&file, &bytes).unwrap();
     let second = chat.send(c, "And again.", &[], |_| {}).await.unwrap();
     let stats = second.stats.unwrap();
-    assert!(!stats.resumed && stats.reused_tokens == 0, "{stats:?}");
+    assert!(stats.reused_tokens == 0, "{stats:?}");
     assert!(!file.exists(), "the damaged file is deleted");
     // A row whose file is gone: same.
     let second_file = dir.join(format!("{}.safetensors", second.id));
     std::fs::remove_file(&second_file).unwrap();
     let third = chat.send(c, "Once more.", &[], |_| {}).await.unwrap();
-    assert!(!third.stats.unwrap().resumed);
+    assert!(third.stats.unwrap().reused_tokens == 0);
     // And the replies are those of a checkpoint-free run.
     let g = fixture();
     let cold = Chat::open(&g.data).await.unwrap().with_hf_cache(None).with_checkpoints(false);
@@ -503,7 +503,7 @@ async fn a_checkpoint_that_cannot_be_written_costs_nothing_but_the_checkpoint() 
     assert_eq!(first.state, MessageState::Complete);
     let second = chat.send(c, "Again.", &[], |_| {}).await.unwrap();
     assert_eq!(second.state, MessageState::Complete);
-    assert!(!second.stats.unwrap().resumed, "nothing to resume from");
+    assert!(second.stats.unwrap().reused_tokens == 0, "nothing to resume from");
     assert!(chat.store().checkpoints_by_use().await.unwrap().is_empty());
 }
 
@@ -514,7 +514,9 @@ async fn speculative_replies_are_the_plain_replies_with_acceptance_stats() {
     let (chat, plain) = ready(&f, 24).await;
     let model = f.model.to_string_lossy().into_owned();
     let mut replies = Vec::new();
-    for speculation in [Speculation::Off, Speculation::Lookup, Speculation::Draft { model }] {
+    for speculation in
+        [Speculation::Off, Speculation::Lookup, Speculation::Draft { model: model.into() }]
+    {
         let c = if speculation == Speculation::Off {
             plain
         } else {
@@ -553,7 +555,7 @@ async fn speculative_replies_are_the_plain_replies_with_acceptance_stats() {
 
     // A folder that is no model is refused when saved.
     let c = chat.create_conversation().await.unwrap().id;
-    let nowhere = Speculation::Draft { model: f.data.join("nothing").to_string_lossy().into() };
+    let nowhere = Speculation::Draft { model: f.data.join("nothing").to_path_buf() };
     let err = chat.set_settings(c, &Settings { speculation: nowhere, ..greedy(8) }).await;
     assert_eq!(err.unwrap_err().kind(), ErrorKind::Invalid);
     // A draft model with another tokenizer fails the reply with a way out; the message stays.
@@ -568,7 +570,7 @@ async fn speculative_replies_are_the_plain_replies_with_acceptance_stats() {
         other.join("tokenizer.json"),
     )
     .unwrap();
-    let draft = Speculation::Draft { model: other.to_string_lossy().into() };
+    let draft = Speculation::Draft { model: other.to_path_buf() };
     chat.set_settings(c, &Settings { speculation: draft, ..greedy(8) }).await.unwrap();
     let (result, _) = send(&chat, c, "Hi", &[]).await;
     let err = result.unwrap_err();
@@ -585,7 +587,7 @@ async fn a_draft_model_keeps_its_caches_with_the_checkpoint_across_a_restart() {
     let f = fixture();
     let (chat, plain) = ready(&f, 16).await;
     let c = chat.create_conversation().await.unwrap().id;
-    let draft = Speculation::Draft { model: f.model.to_string_lossy().into() };
+    let draft = Speculation::Draft { model: f.model.to_path_buf() };
     chat.set_settings(c, &Settings { speculation: draft, ..greedy(16) }).await.unwrap();
     let turns = ["Name three fruits.", "And three more, please.", "Which is the sweetest?"];
     let mut texts = (Vec::new(), Vec::new());
@@ -657,8 +659,7 @@ async fn a_gemma4_assistant_drafts_in_a_chat_and_is_never_loaded_as_one() {
         .map(|t| t.as_u64().unwrap() as u32)
         .collect();
     let mut replies = Vec::new();
-    for speculation in
-        [Speculation::Off, Speculation::Assistant { model: assistant.to_string_lossy().into() }]
+    for speculation in [Speculation::Off, Speculation::Assistant { model: assistant.to_path_buf() }]
     {
         let c = chat.create_conversation().await.unwrap().id;
         chat.set_raw_options(c, true, true).await.unwrap();
@@ -680,7 +681,7 @@ async fn a_gemma4_assistant_drafts_in_a_chat_and_is_never_loaded_as_one() {
     assert_eq!(replies[1], replies[0], "the assistant changes nothing in the replies");
     // A folder that is no assistant is refused when saved.
     let c = chat.create_conversation().await.unwrap().id;
-    let wrong = Speculation::Assistant { model: target.to_string_lossy().into() };
+    let wrong = Speculation::Assistant { model: target.to_path_buf() };
     let err = chat.set_settings(c, &Settings { speculation: wrong, ..greedy(8) }).await;
     assert_eq!(err.unwrap_err().kind(), ErrorKind::Invalid);
     chat.shutdown();
@@ -692,7 +693,7 @@ async fn an_assistant_made_for_another_model_fails_the_reply_with_a_way_out() {
     let f = fixture();
     let (chat, c) = ready(&f, 8).await;
     let assistant = root().join("tests/golden/assistant/assistant");
-    let speculation = Speculation::Assistant { model: assistant.to_string_lossy().into() };
+    let speculation = Speculation::Assistant { model: assistant.to_path_buf() };
     chat.set_settings(c, &Settings { speculation, ..greedy(8) }).await.unwrap();
     let (result, _) = send(&chat, c, "Hi", &[]).await;
     let err = result.unwrap_err();

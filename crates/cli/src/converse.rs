@@ -118,7 +118,7 @@ async fn turn(args: &ChatArgs) -> anyhow::Result<()> {
         eprintln!(
             "{} tokens ({}) · TTFT {:.1} ms · {} reused + {} prefilled prompt tokens · checkpoint {}",
             stats.generated_tokens,
-            stats.stop_reason,
+            stats.stop_reason.as_str(),
             stats.ttft_ms,
             stats.reused_tokens,
             stats.prompt_tokens - stats.reused_tokens,

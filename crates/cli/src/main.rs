@@ -1,18 +1,21 @@
 //! `quince`: the command-line front end of the Quince engine.
 //!
-//! - `quince generate`: stream a reply (token ids in, ids and text out; `--json` for scripts);
+//! - `quince generate`: one turn through the engine's turn API (text or token ids in, text and
+//!   ids out; `--json` for scripts);
+//! - `quince chat`: one turn of a named conversation in the app's store (`crates/chat`);
 //! - `quince logits`: write a forward pass's logits to safetensors (full or incremental);
-//! - `quince bench`: prefill and decode speed on a synthetic prompt;
+//! - `quince bench`, `bench-spec`, `bench-ops`: speed, side by side with the reference;
 //! - `quince doctor`: the MLX build this process runs on, and a smoke computation;
-//! - `quince bench-ops`: per-op overhead of our binding vs Python `mlx`, side by side.
+//! - `quince demo-model`, `quince pull`: the demo model, and downloads from Hugging Face.
 
-mod bench_ops;
-mod bench_spec;
+mod bench;
 mod converse;
+mod demo;
 mod doctor;
-mod host_profile;
+mod generate;
+mod logits;
+mod options;
 mod pull;
-mod run;
 
 use clap::{Parser, Subcommand};
 
@@ -27,22 +30,22 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Generate a reply to a prompt.
-    Generate(run::GenerateArgs),
+    Generate(generate::GenerateArgs),
     /// One turn of a named conversation, resuming from its KV checkpoints (same store as the app).
     Chat(converse::ChatArgs),
     /// Write the logits of a forward pass over token ids to a safetensors file.
-    Logits(run::LogitsArgs),
+    Logits(logits::LogitsArgs),
     /// Measure TTFT, prefill and decode speed on a synthetic prompt.
-    Bench(run::BenchArgs),
+    Bench(bench::BenchArgs),
     /// Print the MLX version, backend, devices and memory, and run a tiny matmul + attention.
     Doctor(doctor::Args),
-    /// Write the demo model (tiny, untrained Gemma 4 with vision) paired with a real tokenizer.
-    DemoModel(run::DemoArgs),
+    /// Write the demo model (tiny Gemma 4 with vision) paired with a real tokenizer.
+    DemoModel(demo::DemoArgs),
     /// Per-op overhead of this binding vs Python `mlx`, printed side by side.
-    BenchOps(bench_ops::Args),
+    BenchOps(bench::ops::Args),
     /// Speculative decoding's costs and gains: verify windows vs a decode step, 0% acceptance,
     /// the model drafting for itself.
-    BenchSpec(bench_spec::Args),
+    BenchSpec(bench::spec::Args),
     /// Download a model from Hugging Face into the shared cache (resumes what is on disk).
     Pull(pull::Args),
 }
@@ -59,14 +62,14 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let _ = MLX_SETTINGS.set(engine::configure_mlx()?);
     match Cli::parse().command {
-        Command::Generate(args) => run::generate(&args),
+        Command::Generate(args) => generate::run(&args),
         Command::Chat(args) => converse::run(&args),
-        Command::Logits(args) => run::logits(&args),
-        Command::Bench(args) => run::bench(&args),
+        Command::Logits(args) => logits::run(&args),
+        Command::Bench(args) => bench::run(&args),
         Command::Doctor(args) => doctor::run(&args),
-        Command::DemoModel(args) => run::demo_model(&args),
-        Command::BenchOps(args) => bench_ops::run(&args),
-        Command::BenchSpec(args) => bench_spec::run(&args),
+        Command::DemoModel(args) => demo::run(&args),
+        Command::BenchOps(args) => bench::ops::run(&args),
+        Command::BenchSpec(args) => bench::spec::run(&args),
         Command::Pull(args) => pull::run(&args),
     }
 }

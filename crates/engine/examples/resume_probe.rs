@@ -20,7 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ => return Err("usage: resume_probe MODEL_DIR CHECKPOINT [REPEATS]".into()),
     };
     let repeats: usize = args.get(3).and_then(|r| r.parse().ok()).unwrap_or(3);
-    let model = engine::models::load(&model_dir)?;
+    let model = engine::registry::load_model(&model_dir, &engine::LoadOptions::default())?;
     let identity = Identity {
         model_id: model_dir.canonicalize()?.to_string_lossy().into_owned(),
         config_hash: kv_file::sha256_hex(&std::fs::read(model_dir.join("config.json"))?),
@@ -28,7 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let sha256 = kv_file::digest_file(&checkpoint)?;
     let turn: Vec<u32> = (0..32).map(|i| 1000 + i * 17).collect();
     for r in 0..repeats {
-        let mut caches = model.new_caches()?;
+        let mut caches = model.fresh_caches()?;
         let t = Instant::now();
         let tokens = kv_file::read(&checkpoint, &sha256, &identity, &mut caches)?.tokens;
         let read = ms(t);

@@ -7,30 +7,29 @@
 //! many positions each cache holds, where a ring writes. So each of those is a closure input:
 //!
 //! - the position is an int32 array, not a number baked into the graph;
-//! - each cache declares its slot ([`AttentionCache::begin_decode_step`]):
+//! - each cache declares its slot ([`CompiledDecodeCache::begin_decode_step`]):
 //!   [`DecodeFetch::Concat`] — the step reads `concat(stored, new)`, which then becomes what
 //!   the cache stores (a growing buffer and a filling ring), or [`DecodeFetch::Ring`] — the
 //!   step writes the new position into the full ring at a slot given as an array and reads
 //!   the whole ring, in place because the cache hands its buffers over;
-//! - the graph is shapeless, so one trace serves every length of stored positions;
-//! - on CUDA each cache is a [`DecodeFetch::Buffer`] slot instead: its whole buffers and the
-//!   bounds of the step's read go in, and Quince's attention kernel writes the new position
-//!   into the buffers ([`AttentionCache::append_decode_in_buffer`]). Those shapes stay the same
-//!   from step to step (until a buffer grows, when MLX traces again), so that graph is traced
-//!   with shapes and holds Quince's kernels, which a shapeless graph cannot.
+//! - the graph is shapeless, so one trace serves every length of stored positions; its body
+//!   runs [`crate::backend::Ops::shapeless`] (MLX's ops, gathers where a slice's shape could
+//!   not be inferred; a custom kernel's output shape cannot be either, so none runs in it).
 //!
 //! One graph is traced per sequence of slot kinds (in practice two per model: while the
 //! sliding windows fill, and after) and kept by the model for every later step and
 //! generation. A step that cannot be compiled (a cache inside a speculative round, an empty
-//! cache) runs uncompiled; a graph that fails to build or run switches compiled decode off for
-//! the model and the step runs uncompiled, with a warning, so a reply never fails for it.
+//! cache, a storage without a compiled step) runs uncompiled; a graph that fails to build or run
+//! switches compiled decode off for the model and the step runs uncompiled, with a warning, so
+//! a reply never fails for it. Whether a model compiles at all is a load option
+//! ([`crate::LoadOptions::compiled_decode`]).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 use mlx::{Array, Compiled};
 
-use crate::cache::{AttentionCache, DecodeFetch, DecodeSlot};
+use crate::cache::{Cache, CompiledDecodeCache, DecodeFetch, DecodeSlot};
 use crate::error::Result;
 
 /// Compiled-decode counters of one model.
@@ -53,21 +52,6 @@ pub struct DecodeGraphs {
     stats: Cell<DecodeGraphStats>,
 }
 
-impl Default for DecodeGraphs {
-    /// On unless the backend is CUDA (see [`compiled_by_default`]).
-    fn default() -> Self {
-        DecodeGraphs::new(compiled_by_default())
-    }
-}
-
-/// Whether a model compiles its decode step unless told otherwise: everywhere but on CUDA.
-/// There a step is bound by the host time MLX spends per op; the compiled step (buffer slots,
-/// with Quince's kernels) has nine ops fewer than the step op by op and decoded 2–4 % slower in
-/// same-session runs on an H200 (README).
-pub fn compiled_by_default() -> bool {
-    mlx::Backend::current() != mlx::Backend::Cuda
-}
-
 impl Clone for DecodeGraphs {
     fn clone(&self) -> Self {
         DecodeGraphs::new(false)
@@ -83,12 +67,6 @@ impl DecodeGraphs {
             enabled: Cell::new(enabled && crate::nn::compile_available()),
             stats: Cell::new(DecodeGraphStats::default()),
         }
-    }
-
-    /// Turns compiled decode on or off (the graphs built so far are kept); it stays off where
-    /// MLX cannot compile.
-    pub fn set_enabled(&self, enabled: bool) {
-        self.enabled.set(enabled && crate::nn::compile_available());
     }
 
     /// Whether decode steps try the compiled path.
@@ -114,7 +92,7 @@ impl DecodeGraphs {
     /// must run uncompiled (the caches are then untouched).
     pub fn step(
         &self,
-        caches: &mut [Box<dyn AttentionCache>],
+        caches: &mut [Box<dyn Cache>],
         token: &Array,
         position: usize,
         extra: usize,
@@ -125,10 +103,11 @@ impl DecodeGraphs {
             return Ok(None);
         }
         let mut slots: Vec<DecodeSlot> = Vec::with_capacity(caches.len());
-        // On CUDA the caches are read in place by Quince's kernel, a graph traced with shapes.
-        let buffered = crate::cache::buffer_steps_ready();
         for cache in caches.iter_mut() {
-            let slot = if buffered { cache.begin_buffer_step() } else { cache.begin_decode_step() };
+            let slot = match compiled_of(cache.as_mut()) {
+                Some(cache) => cache.begin_decode_step(),
+                None => Ok(None),
+            };
             match slot {
                 Ok(Some(slot)) => slots.push(slot),
                 other => {
@@ -145,7 +124,6 @@ impl DecodeGraphs {
             .map(|f| match f {
                 DecodeFetch::Concat => 'c',
                 DecodeFetch::Ring => 'r',
-                DecodeFetch::Buffer => 'b',
             })
             .collect();
         let outputs = self.call(&key, fetches, token, position, &slots, build);
@@ -174,7 +152,13 @@ impl DecodeGraphs {
         let mut rest = outputs.into_iter();
         let model: Vec<Array> = rest.by_ref().take(extra).collect();
         for (cache, fetch) in caches.iter_mut().zip(kinds) {
-            cache.end_decode_step(fetch, rest.by_ref().take(fetch.outputs()).collect())?;
+            let outputs = rest.by_ref().take(fetch.outputs()).collect();
+            match compiled_of(cache.as_mut()) {
+                Some(cache) => cache.end_decode_step(fetch, outputs)?,
+                None => {
+                    return Err(crate::Error::InvalidRequest("a slot without its cache".into()));
+                }
+            }
         }
         self.count(|s| s.steps += 1);
         Ok(Some(model))
@@ -205,9 +189,16 @@ impl DecodeGraphs {
     }
 }
 
+/// A cache's compiled-decode capability, when it has one.
+fn compiled_of(cache: &mut dyn Cache) -> Option<&mut dyn CompiledDecodeCache> {
+    cache.as_attention_mut()?.compiled()
+}
+
 /// Hands every begun slot back to its cache, leaving the caches as before the step.
-fn give_back(caches: &mut [Box<dyn AttentionCache>], slots: Vec<DecodeSlot>) {
+fn give_back(caches: &mut [Box<dyn Cache>], slots: Vec<DecodeSlot>) {
     for (cache, slot) in caches.iter_mut().zip(slots) {
-        cache.abort_decode_step(slot);
+        if let Some(cache) = compiled_of(cache.as_mut()) {
+            cache.abort_decode_step(slot);
+        }
     }
 }

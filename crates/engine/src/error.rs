@@ -79,6 +79,34 @@ pub enum Error {
         /// The model's context length.
         limit: usize,
     },
+    /// A conversation's prompt alone fills the model's context.
+    #[error(
+        "This conversation is {prompt_tokens} tokens long, more than the model's context of \
+         {limit} tokens. Start a new chat, or edit an earlier message to shorten it."
+    )]
+    PromptTooLong {
+        /// Tokens in the rendered prompt, images included.
+        prompt_tokens: usize,
+        /// The model's context length.
+        limit: usize,
+    },
+    /// The draft method a turn asked for cannot serve this model.
+    #[error(
+        "The {what} in {} cannot be used: {reason}. Pick another one, or turn speculative \
+         decoding off in this conversation's settings.",
+        path.display()
+    )]
+    Drafter {
+        /// `draft model` or `assistant`.
+        what: &'static str,
+        /// Its folder.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The caller cancelled it.
+    #[error("cancelled")]
+    Cancelled,
     /// An image file cannot be used (unreadable, corrupt, unsupported, too large).
     #[error("cannot use the image {path}: {message}")]
     InvalidImage {

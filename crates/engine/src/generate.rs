@@ -1,18 +1,13 @@
 //! The generation loop: chunked prefill through window appends, then a decode loop that
 //! builds step *t+1* before reading token *t* (`async_eval` pipelining), streaming each token
 //! to a callback, with stop tokens, a token budget, cancellation and a context guard.
-//!
-//! On CUDA the decode loop can also be *overlapped* (opt-in, [`set_overlapped_decode`]): a
-//! step's graph is built on the engine thread while an evaluator thread has MLX record the
-//! step before it.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::time::Instant;
 
 use mlx::Array;
+use serde::{Deserialize, Serialize};
 
-use crate::cache::AttentionCache;
+use crate::cache::{Cache, stack_offset};
 use crate::error::{Error, Result};
 use crate::models::{Model, Phase, Rows};
 use crate::sampling::{Sampler, SamplingParams};
@@ -51,11 +46,15 @@ impl GenerateRequest {
 }
 
 /// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
+#[serde(rename_all = "snake_case")]
 pub enum StopReason {
-    /// A stop token was generated.
+    /// A stop token was generated (the end of the turn).
+    #[serde(rename = "stop")]
     StopToken,
     /// `max_tokens` reached.
+    #[serde(rename = "length")]
     MaxTokens,
     /// The callback asked to stop (user stop, stop string).
     Stopped,
@@ -103,15 +102,9 @@ pub struct GenerationStats {
     /// The part of [`GenerationStats::decode_host_ms`] spent building the steps' graphs
     /// (Quince's own code); the rest is MLX evaluating them.
     pub decode_build_ms: f64,
-    /// Time the engine thread spent waiting for decoded tokens after the first, in ms: near
-    /// zero while the host bounds decoding, most of a step when the accelerator does (with
-    /// overlapped decoding, waiting for the evaluator thread).
+    /// Time spent waiting for decoded tokens after the first, in ms: near zero while the host
+    /// bounds decoding, most of a step when the accelerator does.
     pub decode_wait_ms: f64,
-    /// Time the thread that reads decoded tokens spent waiting for the accelerator to finish
-    /// the step that made each one (after the first), in ms. The engine thread on its own,
-    /// the evaluator thread with overlapped decoding: with [`GenerationStats::decode_host_ms`]
-    /// it tells whether that thread was ever idle.
-    pub decode_read_ms: f64,
 }
 
 /// The result of [`generate`].
@@ -123,8 +116,6 @@ pub struct Generation {
     pub stop_reason: StopReason,
     /// Timings.
     pub stats: GenerationStats,
-    /// Speculative decoding's counts, when a draft method ran.
-    pub spec: Option<crate::speculative::SpecStats>,
 }
 
 /// Checks that a prompt fits: non-empty, ids in the vocabulary, and room for the reply.
@@ -161,7 +152,7 @@ pub fn check_prompt(
 /// greedy tokens) as the reference.
 pub fn prefill(
     model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     tokens: &[u32],
     step: usize,
 ) -> Result<Array> {
@@ -169,7 +160,7 @@ pub fn prefill(
         return Err(Error::InvalidRequest("the prompt is empty".into()));
     };
     for chunk in head.chunks(step.max(1)) {
-        let ids = crate::models::gemma4::token_array(chunk)?;
+        let ids = crate::tokens::ids(chunk)?;
         // The chunk's logits are never read: evaluating the caches alone skips the output
         // head (a large matmul on big vocabularies), chunk by chunk so the graph and memory
         // stay bounded on long prompts.
@@ -177,7 +168,7 @@ pub fn prefill(
         let buffers: Vec<Array> = caches.iter().flat_map(|c| c.buffers()).collect();
         mlx::eval(&buffers.iter().collect::<Vec<_>>())?;
     }
-    let ids = crate::models::gemma4::token_array(&[last])?;
+    let ids = crate::tokens::ids(&[last])?;
     let logits = model.forward(&ids, caches, Phase::Decode)?;
     let row = logits.reshape(&[1, -1])?;
     row.eval()?;
@@ -207,14 +198,15 @@ pub fn image_runs(tokens: &[u32], image_token: u32) -> Vec<(usize, usize)> {
 /// features go to the chunk holding its run. Returns the last position's logits `[1, V]`.
 pub fn prefill_multimodal(
     model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     tokens: &[u32],
     images: &[Array],
     step: usize,
 ) -> Result<Array> {
     let image_token = model
-        .image_token_id()
-        .ok_or_else(|| Error::InvalidRequest("this model does not take images".into()))?;
+        .vision()
+        .ok_or_else(|| Error::InvalidRequest("this model does not take images".into()))?
+        .image_token();
     let runs = image_runs(tokens, image_token);
     if runs.len() != images.len() {
         return Err(Error::InvalidRequest(format!(
@@ -324,7 +316,7 @@ impl<'r, F: FnMut(u32) -> Flow> Emitter<'r, F> {
             }
         }
         self.stats.peak_mem_bytes = mlx::device::memory::peak()?;
-        Ok(Generation { tokens: self.tokens, stop_reason, stats: self.stats, spec: None })
+        Ok(Generation { tokens: self.tokens, stop_reason, stats: self.stats })
     }
 }
 
@@ -332,10 +324,10 @@ impl<'r, F: FnMut(u32) -> Flow> Emitter<'r, F> {
 /// logits `[1, V]` and when the generation started.
 pub(crate) fn start(
     model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     request: &GenerateRequest,
 ) -> Result<(Array, Instant)> {
-    let cached = caches.first().map_or(0, |c| c.offset());
+    let cached = stack_offset(caches);
     check_prompt(model, cached, &request.prompt, request.max_tokens)?;
     mlx::device::memory::reset_peak()?;
     let start = Instant::now();
@@ -350,7 +342,7 @@ pub(crate) fn start(
 /// One decode step: appends `token` and samples the next one (lazy).
 pub(crate) fn decode_step(
     model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     sampler: &mut Sampler,
     token: &Array,
     history: &[u32],
@@ -377,65 +369,12 @@ pub(crate) enum Decoded {
     Paused(u32),
 }
 
-static OVERLAP_ON: AtomicBool = AtomicBool::new(false);
-
-/// Turns overlapped decoding on or off for every thread. It runs on CUDA only, where a decode
-/// step is bound by host time: building a step's graph takes ~2 ms and MLX recording its
-/// kernels ~5 ms, which overlapped should take the longer of the two. Off by default: the one
-/// measurement so far (README) did not show that gain, and no A/B in one session was made yet
-/// (`quince bench --overlap on|off`).
-pub fn set_overlapped_decode(on: bool) {
-    OVERLAP_ON.store(on, Ordering::Relaxed);
-}
-
-static OVERLAPPED_LOOPS: AtomicUsize = AtomicUsize::new(0);
-
-/// Whether a pipelined decode loop overlaps graph building with evaluation now.
-pub fn overlapped_decode() -> bool {
-    OVERLAP_ON.load(Ordering::Relaxed) && mlx::Backend::current() == mlx::Backend::Cuda
-}
-
-/// How many decode loops ran overlapped in this process (for tests: the path really ran).
-pub fn overlapped_loops() -> usize {
-    OVERLAPPED_LOOPS.load(Ordering::Relaxed)
-}
-
-/// Whether `model`'s decode steps can be built for another thread to evaluate: every op of a
-/// step must be made while the shared stream is the default, so the GPU must be the default
-/// device, and a compiled function replays the ops it traced on the stream it traced them
-/// on. So no compiled decode step, and the fused kernels on (without them the activations are
-/// compiled functions).
-fn overlap_applies(model: &dyn Model) -> bool {
-    overlapped_decode()
-        && mlx::Device::default_device().is_ok_and(|d| d == mlx::Device::Gpu)
-        && crate::fused::decode_fusion()
-        && !model.decode_graphs().is_some_and(|g| g.enabled())
-}
-
 /// Emits `y` (a lazy token from the last forward pass) and decodes after it, one step per
 /// token, building each step on the still-lazy token before reading it when `pipelined` (no
 /// penalty needs the token first), until generation ends or `limit` tokens were emitted.
 pub(crate) fn decode_loop<F: FnMut(u32) -> Flow>(
     model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
-    sampler: &mut Sampler,
-    y: Array,
-    out: &mut Emitter<'_, F>,
-    limit: usize,
-    pipelined: bool,
-) -> Result<Decoded> {
-    // Overlapped when at least one step follows the first token.
-    if pipelined && out.remaining() > 1 && limit > 1 && overlap_applies(model) {
-        OVERLAPPED_LOOPS.fetch_add(1, Ordering::Relaxed);
-        return overlapped::decode_loop(model, caches, sampler, y, out, limit);
-    }
-    single_thread_loop(model, caches, sampler, y, out, limit, pipelined)
-}
-
-/// [`decode_loop`] on the calling thread alone.
-fn single_thread_loop<F: FnMut(u32) -> Flow>(
-    model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     sampler: &mut Sampler,
     mut y: Array,
     out: &mut Emitter<'_, F>,
@@ -462,9 +401,7 @@ fn single_thread_loop<F: FnMut(u32) -> Flow>(
         let waited = Instant::now();
         let token = y.item::<u32>()?;
         if emitted > 0 {
-            let ms = waited.elapsed().as_secs_f64() * 1e3;
-            out.stats.decode_wait_ms += ms;
-            out.stats.decode_read_ms += ms;
+            out.stats.decode_wait_ms += waited.elapsed().as_secs_f64() * 1e3;
         }
         emitted += 1;
         if let Some(reason) = out.emit(token) {
@@ -485,7 +422,7 @@ fn single_thread_loop<F: FnMut(u32) -> Flow>(
 /// Generates after appending `request.prompt` to `caches`, streaming each token to `on_token`.
 pub fn generate(
     model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     request: &GenerateRequest,
     on_token: impl FnMut(u32) -> Flow,
 ) -> Result<Generation> {
@@ -501,170 +438,5 @@ pub fn generate(
     match decode_loop(model, caches, &mut sampler, y, &mut out, usize::MAX, pipelined)? {
         Decoded::Ended(reason) => out.finish(reason),
         Decoded::Paused(_) => out.finish(StopReason::MaxTokens),
-    }
-}
-
-/// The pipelined decode loop on two threads.
-///
-/// The engine thread builds every step's graph (the model, the caches and the sampler stay on
-/// it) and the evaluator thread has MLX record and launch each step, then reads its token. So
-/// step *t+2* is built while step *t+1* is recorded, where the single-thread loop does one
-/// after the other. The tokens, the stop and limit checks and what the caches hold at the end
-/// are those of the single-thread loop: each job submits step *t+1* right after reading token
-/// *t*, the order in which the single-thread loop does both.
-///
-/// MLX gives each thread its own default GPU stream, usable on that thread alone, so the steps
-/// are built on a stream any thread may evaluate on (one per engine thread, made default for
-/// the loop). The threads never use MLX at the same time on the same arrays except to build on
-/// the token being evaluated (its shape and dtype are fixed) and in MLX's allocator (locked).
-/// The one evaluation the engine thread may still run inside the loop, a fused kernel's probe
-/// on its first use, happens while the first step is built, before the evaluator has work.
-/// Decode steps on CUDA write keys and values inside their kernels, which MLX does not track,
-/// so the stream is synchronized before the loop hands the caches back.
-mod overlapped {
-    use std::cell::Cell;
-
-    use mlx::device::GpuStream;
-
-    use super::*;
-
-    thread_local! {
-        static STREAM: Cell<Option<GpuStream>> = const { Cell::new(None) };
-    }
-
-    /// `result` with `what` said in its error.
-    fn doing<T>(what: &str, result: mlx::Result<T>) -> Result<T> {
-        result.map_err(|e| Error::InvalidRequest(format!("overlapped decode, {what}: {e}")))
-    }
-
-    /// This thread's decode stream, made on first use.
-    fn stream() -> Result<GpuStream> {
-        if let Some(stream) = STREAM.with(Cell::get) {
-            return Ok(stream);
-        }
-        let stream = doing("making its stream", GpuStream::new_shared())?;
-        STREAM.with(|s| s.set(Some(stream)));
-        Ok(stream)
-    }
-
-    /// One turn of the evaluator: read token `read` (already submitted), then submit `step`.
-    struct Job {
-        read: Array,
-        step: Option<Array>,
-    }
-
-    /// The evaluator: answers each job with its token (or the error that ended it) and
-    /// returns the milliseconds it spent submitting steps and waiting for tokens (after the
-    /// first).
-    fn evaluate(jobs: mpsc::Receiver<Job>, tokens: mpsc::Sender<Result<u32>>) -> (f64, f64) {
-        let mut submit_ms = 0.0;
-        let mut read_ms = 0.0;
-        let mut first = true;
-        for job in jobs {
-            let start = Instant::now();
-            let token =
-                doing("reading a token", job.read.wait().and_then(|()| job.read.item::<u32>()));
-            if !std::mem::take(&mut first) {
-                read_ms += start.elapsed().as_secs_f64() * 1e3;
-            }
-            let failed = token.is_err();
-            if tokens.send(token).is_err() || failed {
-                break;
-            }
-            if let Some(step) = job.step {
-                let start = Instant::now();
-                let submitted = mlx::async_eval(&[&step]);
-                submit_ms += start.elapsed().as_secs_f64() * 1e3;
-                if let Err(e) = doing("submitting a step", submitted) {
-                    // The engine thread reads this in place of the next token.
-                    let _ = tokens.send(Err(e));
-                    break;
-                }
-            }
-        }
-        (submit_ms, read_ms)
-    }
-
-    pub(super) fn decode_loop<F: FnMut(u32) -> Flow>(
-        model: &dyn Model,
-        caches: &mut [Box<dyn AttentionCache>],
-        sampler: &mut Sampler,
-        y: Array,
-        out: &mut Emitter<'_, F>,
-        limit: usize,
-    ) -> Result<Decoded> {
-        // The prefill ran on this thread's own stream: finish it, so the steps depend on
-        // nothing pending there.
-        mlx::async_eval(&[&y])?;
-        mlx::device::synchronize()?;
-        let stream = stream()?;
-        let previous = doing("finding the thread's stream", GpuStream::default_for_thread())?;
-        doing("switching streams", stream.make_default())?;
-        let decoded = std::thread::scope(|scope| {
-            let (jobs, inbox) = mpsc::channel::<Job>();
-            let (answers, tokens) = mpsc::channel::<Result<u32>>();
-            let evaluator = std::thread::Builder::new()
-                .name("quince-decode-eval".into())
-                .spawn_scoped(scope, move || evaluate(inbox, answers))
-                .map_err(|e| Error::InvalidRequest(format!("no evaluator thread: {e}")))?;
-            let decoded = steer(model, caches, sampler, y, out, limit, &jobs, &tokens);
-            drop(jobs);
-            let (submit_ms, read_ms) = evaluator.join().map_err(|_| {
-                Error::InvalidRequest("the decode evaluator thread panicked".into())
-            })?;
-            out.stats.decode_host_ms += submit_ms;
-            out.stats.decode_read_ms += read_ms;
-            decoded
-        });
-        // Everything the evaluator submitted is done before the caches are used again (by
-        // this stream or another), then this thread builds on its own stream again.
-        let synced = doing("synchronizing", stream.synchronize());
-        doing("switching back", previous.make_default())?;
-        synced?;
-        decoded
-    }
-
-    /// The engine thread's side: build each step, hand it over with the token to read, and
-    /// emit the tokens as they come back.
-    #[allow(clippy::too_many_arguments)]
-    fn steer<F: FnMut(u32) -> Flow>(
-        model: &dyn Model,
-        caches: &mut [Box<dyn AttentionCache>],
-        sampler: &mut Sampler,
-        mut y: Array,
-        out: &mut Emitter<'_, F>,
-        limit: usize,
-        jobs: &mpsc::Sender<Job>,
-        tokens: &mpsc::Receiver<Result<u32>>,
-    ) -> Result<Decoded> {
-        let gone = || Error::InvalidRequest("the decode evaluator thread stopped".into());
-        let mut emitted = 0;
-        loop {
-            let more = out.remaining() > 1 && emitted + 1 < limit;
-            let step = if more {
-                let start = Instant::now();
-                let n = decode_step(model, caches, sampler, &y, &out.history)?;
-                let built = start.elapsed().as_secs_f64() * 1e3;
-                out.stats.decode_build_ms += built;
-                out.stats.decode_host_ms += built;
-                Some(n)
-            } else {
-                None
-            };
-            jobs.send(Job { read: y, step: step.clone() }).map_err(|_| gone())?;
-            let waited = Instant::now();
-            let token = tokens.recv().map_err(|_| gone())??;
-            if emitted > 0 {
-                out.stats.decode_wait_ms += waited.elapsed().as_secs_f64() * 1e3;
-            }
-            emitted += 1;
-            if let Some(reason) = out.emit(token) {
-                return Ok(Decoded::Ended(reason));
-            }
-            match step {
-                Some(n) => y = n,
-                None => return Ok(Decoded::Paused(token)),
-            }
-        }
     }
 }

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use mlx::Array;
 use sha2::Digest;
 
-use crate::cache::{AttentionCache, CacheState};
+use crate::cache::{Cache, CacheState};
 use crate::error::{Error, Result};
 
 /// The format tag written into every file.
@@ -85,7 +85,7 @@ pub struct Contents {
 
 /// Adds each cache's state under `{prefix}{i}.` to `tensors` and `metadata`.
 pub fn save_stack(
-    caches: &[Box<dyn AttentionCache>],
+    caches: &[Box<dyn Cache>],
     prefix: &str,
     tensors: &mut BTreeMap<String, Array>,
     metadata: &mut BTreeMap<String, String>,
@@ -105,7 +105,7 @@ pub fn save_stack(
 /// Restores each of `caches` from the entries [`save_stack`] wrote under `{prefix}{i}.`
 /// (`tensors` and `metadata`: maps by reference, of any kind).
 pub fn restore_stack<'a, T, M>(
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     prefix: &str,
     tensors: T,
     metadata: M,
@@ -242,14 +242,14 @@ pub fn tokens_hash(tokens: &[u32]) -> String {
 }
 
 /// The signatures of a cache stack, joined with `;`.
-pub fn stack_signature(caches: &[Box<dyn AttentionCache>]) -> String {
+pub fn stack_signature(caches: &[Box<dyn Cache>]) -> String {
     caches.iter().map(|c| c.signature()).collect::<Vec<_>>().join(";")
 }
 
 /// Writes `caches` (holding exactly `tokens`) and `attachments` to `path` atomically.
 pub fn write(
     path: &Path,
-    caches: &[Box<dyn AttentionCache>],
+    caches: &[Box<dyn Cache>],
     tokens: &[u32],
     identity: &Identity,
     attachments: &[Attachment],
@@ -337,7 +337,7 @@ pub fn read(
     path: &Path,
     sha256: &str,
     identity: &Identity,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
 ) -> Result<Contents> {
     let bad = |message: String| Error::CorruptWeights { path: path.to_path_buf(), message };
     let started = std::time::Instant::now();

@@ -1,15 +1,17 @@
-//! Models: the [`Model`] trait and one module per architecture.
+//! Models: the [`Model`] trait every family implements, what a forward pass appends with
+//! ([`Phase`]) and returns ([`Rows`]), and the ports a model offers draft methods
+//! ([`TargetPort`]). Each family is one folder (`models/gemma4/`) and one entry in
+//! [`crate::registry`].
 
 pub mod gemma4;
-pub mod gemma4_vision;
 
 use mlx::Array;
 
-use std::path::Path;
-
-use crate::cache::AttentionCache;
-use crate::checkpoint::ModelDir;
+use crate::backend::Ops;
+use crate::cache::{AttentionRead, Cache, CachePlan};
+use crate::compiled::DecodeGraphs;
 use crate::error::{Error, Result};
+use crate::vision::Vision;
 
 /// Which cache phase a forward pass appends with (the phase is never inferred from a length).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,14 +34,23 @@ pub enum Rows {
 
 /// A causal language model over the cache stack.
 pub trait Model: std::fmt::Debug {
-    /// Fresh caches for one sequence, one per layer that stores keys and values (KV-sharing
-    /// layers have none, so this can be shorter than the layer list).
-    fn new_caches(&self) -> Result<Vec<Box<dyn AttentionCache>>>;
+    /// The op routes its passes and caches run (chosen at load).
+    fn ops(&self) -> &Ops;
+    /// Per layer that keeps state, the storage its caches use: the family's rule over its
+    /// config (KV-sharing layers keep none, so this can be shorter than the layer list).
+    fn cache_plan(&self) -> CachePlan;
+    /// Fresh caches for one sequence, one per layer of `plan` (refused when the plan does not
+    /// fit the model).
+    fn new_caches(&self, plan: &CachePlan) -> Result<Vec<Box<dyn Cache>>>;
+    /// Fresh caches under the model's own [`Model::cache_plan`].
+    fn fresh_caches(&self) -> Result<Vec<Box<dyn Cache>>> {
+        self.new_caches(&self.cache_plan())
+    }
     /// Logits `[B, T, vocab]` for token ids `[B, T]` appended to `caches` with `phase`.
     fn forward(
         &self,
         tokens: &Array,
-        caches: &mut [Box<dyn AttentionCache>],
+        caches: &mut [Box<dyn Cache>],
         phase: Phase,
     ) -> Result<Array> {
         self.forward_rows(tokens, caches, phase, Rows::All)
@@ -47,51 +58,38 @@ pub trait Model: std::fmt::Debug {
     /// One decode step: logits `[1, 1, vocab]` for `token` `[1, 1]` appended to `caches`. A
     /// model with a compiled step ([`crate::compiled`]) runs it here when it can; the result is
     /// the same as [`Model::forward`] with [`Phase::Decode`].
-    fn forward_decode(
-        &self,
-        token: &Array,
-        caches: &mut [Box<dyn AttentionCache>],
-    ) -> Result<Array> {
+    fn forward_decode(&self, token: &Array, caches: &mut [Box<dyn Cache>]) -> Result<Array> {
         self.forward(token, caches, Phase::Decode)
     }
-    /// The model's compiled decode graphs (to switch them off, or read their counters), when
-    /// it has a compiled step.
-    fn decode_graphs(&self) -> Option<&crate::compiled::DecodeGraphs> {
+    /// The model's compiled decode graphs (to read their counters), when it has a compiled
+    /// step.
+    fn decode_graphs(&self) -> Option<&DecodeGraphs> {
         None
     }
     /// [`Model::forward`] returning only `rows` of logits.
     fn forward_rows(
         &self,
         tokens: &Array,
-        caches: &mut [Box<dyn AttentionCache>],
+        caches: &mut [Box<dyn Cache>],
         phase: Phase,
         rows: Rows,
     ) -> Result<Array>;
+    /// The model's vision tower, preprocessing and image tokens, when it takes images.
+    fn vision(&self) -> Option<&dyn Vision> {
+        None
+    }
     /// Logits for a prompt whose image-token positions take the given image features (in
-    /// order, `[n_i, hidden]` each, from [`Model::encode_image`]), appended as one window with
-    /// the model's image-block attention rule.
+    /// order, `[n_i, hidden]` each, from [`Vision::encode`]), appended as one window with the
+    /// model's image-block attention rule.
     fn forward_multimodal(
         &self,
         tokens: &[u32],
         images: &[Array],
-        caches: &mut [Box<dyn AttentionCache>],
+        caches: &mut [Box<dyn Cache>],
         rows: Rows,
     ) -> Result<Array> {
         let _ = (tokens, images, caches, rows);
         Err(Error::InvalidRequest("this model does not take images".into()))
-    }
-    /// Soft-token features `[n, hidden]` of one preprocessed image (`[3, H, W]` in [0, 1]).
-    fn encode_image(&self, pixels: &Array) -> Result<Array> {
-        let _ = pixels;
-        Err(Error::InvalidRequest("this model does not take images".into()))
-    }
-    /// The token id image features replace, when the model has a vision tower.
-    fn image_token_id(&self) -> Option<u32> {
-        None
-    }
-    /// Begin- and end-of-image token ids.
-    fn boi_eoi(&self) -> Option<(u32, u32)> {
-        None
     }
     /// Weight bytes one decode step reads (every matrix a token passes through and the output
     /// head; embedding tables give one row and are left out), for a bandwidth roofline. 0 when
@@ -106,29 +104,70 @@ pub trait Model: std::fmt::Debug {
     /// Token ids that end a reply according to the config (`eos_token_id`).
     fn eos_token_ids(&self) -> Vec<u32>;
     /// The Gemma 4 assistant's port, when this model provides it.
-    fn assistant_rows(&self) -> Option<&dyn crate::speculative::AssistantRows> {
+    fn assistant_rows(&self) -> Option<&dyn AssistantRows> {
         None
     }
     /// Whether this model provides a port draft methods read.
-    fn provides(&self, port: crate::speculative::TargetPort) -> bool {
+    fn provides(&self, port: TargetPort) -> bool {
         match port {
-            crate::speculative::TargetPort::AssistantRows => self.assistant_rows().is_some(),
+            TargetPort::AssistantRows => self.assistant_rows().is_some(),
             _ => false,
         }
     }
 }
 
-/// Loads the model a checkpoint directory holds, chosen by its `model_type`.
-pub fn load(path: impl AsRef<Path>) -> Result<Box<dyn Model>> {
-    let dir = ModelDir::open(path)?;
-    let model_type =
-        dir.config.get("model_type").and_then(serde_json::Value::as_str).unwrap_or_default();
-    match model_type {
-        "gemma4" | "gemma4_text" => Ok(Box::new(gemma4::Gemma4Text::from_dir(&dir)?)),
-        other => Err(Error::Unsupported {
-            key: "model_type".into(),
-            value: other.into(),
-            reason: "supported: gemma4, gemma4_text".into(),
-        }),
+/// What a draft method may read from the target's live state (the upstream seed's
+/// `TargetView` ports). A method names the ports it reads and is refused before it allocates
+/// anything when the target lacks one ([`target_lacks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetPort {
+    /// The Gemma 4 assistant's reads: the target's embedding, its last donor reads per layer
+    /// type, and its final hidden state.
+    AssistantRows,
+    /// Hidden states of chosen target layers and the embedding/head projection.
+    HiddenLayerTaps,
+    /// The final hidden layer, the embedding and the head of a recurrent MTP head.
+    RecurrentMtp,
+}
+
+impl TargetPort {
+    /// The port's name as the seed spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TargetPort::AssistantRows => "assistantRows",
+            TargetPort::HiddenLayerTaps => "hiddenLayerTaps",
+            TargetPort::RecurrentMtp => "recurrentMtp",
+        }
     }
+}
+
+/// The refusal for a target that does not provide a port a method reads.
+pub fn target_lacks(port: TargetPort) -> Error {
+    Error::InvalidRequest(format!("the target model does not provide {}", port.as_str()))
+}
+
+/// What the target's last sliding and last full attention layers attend, lent as reads (the
+/// seed's donor attention): every stored position, no mask. Either is absent when the target
+/// has no layer of that type.
+#[derive(Debug, Clone, Default)]
+pub struct DonorReads {
+    /// The last sliding-window layer's.
+    pub sliding: Option<AttentionRead>,
+    /// The last full-attention layer's.
+    pub full: Option<AttentionRead>,
+}
+
+/// The [`TargetPort::AssistantRows`] port: what the Gemma 4 assistant reads from its target.
+pub trait AssistantRows {
+    /// The target's residual width.
+    fn hidden_size(&self) -> usize;
+    /// Head dimensions of the target's sliding and full attention layers.
+    fn head_dims(&self) -> (i32, i32);
+    /// The target's input embedding of `ids` `[B, T]`, scaled as the target scales it.
+    fn embed(&self, ids: &Array) -> Result<Array>;
+    /// Reads of every stored position of the last layer of each type (its donor's cache).
+    fn donor_reads(&self, caches: &[Box<dyn Cache>]) -> Result<DonorReads>;
+    /// The final-normed hidden state `[B, T, H]` of the rows of the target's last forward
+    /// pass.
+    fn last_hidden(&self) -> Option<Array>;
 }

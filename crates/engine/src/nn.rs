@@ -2,6 +2,7 @@
 
 use mlx::{Array, fast};
 
+use crate::backend::Ops;
 use crate::checkpoint::Matrix;
 use crate::error::Result;
 
@@ -29,47 +30,18 @@ impl Linear {
     }
 
     /// Applies the map to the last axis of `x`.
-    pub fn forward(&self, x: &Array) -> Result<Array> {
+    pub fn forward(&self, x: &Array, ops: &Ops) -> Result<Array> {
         Ok(match (&self.weight, &self.transposed) {
             (Matrix::Dense(_), Some(wt)) => x.matmul(wt)?,
             (Matrix::Dense(w), None) => x.matmul(&w.transpose(&[])?)?,
-            (Matrix::Quantized(q), _) => match crate::fused::quantized_matvec(x, q)? {
-                Some(y) => y,
-                None => q.matmul(x, true)?,
-            },
+            (Matrix::Quantized(q), _) => ops.quantized_matmul(x, q)?,
         })
     }
 }
 
-static STACKING: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Whether models loaded from now on stack the projections that read the same input into one
-/// product ([`Stacked`]): `None` (the default) where decode runs op by op, that is on CUDA;
-/// `Some` forces it either way (tests cover both routes on every backend).
-///
-/// Elsewhere the decode step is compiled, and a compiled (shapeless) step must split a
-/// stacked output by gathers (MLX's `Slice` cannot infer its shape there), which cost more
-/// than the separate products: 3 % slower on the CPU.
-pub fn set_stacked_projections(choice: Option<bool>) {
-    let code = match choice {
-        None => 0,
-        Some(true) => 1,
-        Some(false) => 2,
-    };
-    STACKING.store(code, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn stacking() -> bool {
-    match STACKING.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => mlx::Backend::current() == mlx::Backend::Cuda,
-        1 => true,
-        _ => false,
-    }
-}
-
 /// Linear maps of the same input computed as one product where their weights stack (one
-/// matrix-vector product instead of several: on a GPU each op is host time per token), see
-/// [`set_stacked_projections`].
+/// matrix-vector product instead of several: on a GPU each op is host time per token), when
+/// the model is loaded with stacked projections ([`crate::LoadOptions::stacked_projections`]).
 #[derive(Debug, Clone)]
 pub struct Stacked {
     /// The stacked map, when the weights allowed it.
@@ -83,16 +55,16 @@ pub struct Stacked {
 }
 
 impl Stacked {
-    /// Stacks `parts` (each `[out, in]`, the same `in`) where [`set_stacked_projections`] says
-    /// so and their weights allow it.
-    pub fn new(parts: Vec<Matrix>) -> Result<Stacked> {
+    /// `parts` (each `[out, in]`, the same `in`), stacked into one matrix when `stack` is set
+    /// and their weights allow it.
+    pub fn new(parts: Vec<Matrix>, stack: bool) -> Result<Stacked> {
         let widths = parts.iter().map(Matrix::rows).collect::<Result<Vec<_>>>()?;
-        let joined = if stacking() { Matrix::stack_rows(&parts)? } else { None };
+        let joined = if stack { Matrix::stack_rows(&parts)? } else { None };
         Ok(match joined {
             Some(joined) => Stacked {
                 joined: Some(Linear::new(joined)),
                 parts: Vec::new(),
-                indices: crate::fused::split_indices(&widths)?,
+                indices: crate::backend::mlx::split_indices(&widths)?,
                 widths,
             },
             None => Stacked {
@@ -117,21 +89,21 @@ impl Stacked {
 
     /// The outputs side by side on the last axis (`[..., Σ widths]`), or `None` when the maps
     /// are not stacked.
-    pub fn forward_joined(&self, x: &Array) -> Result<Option<Array>> {
-        self.joined.as_ref().map(|j| j.forward(x)).transpose()
+    pub fn forward_joined(&self, x: &Array, ops: &Ops) -> Result<Option<Array>> {
+        self.joined.as_ref().map(|j| j.forward(x, ops)).transpose()
     }
 
     /// Each map's output.
-    pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
-        match self.forward_joined(x)? {
-            Some(joined) => self.split(&joined),
-            None => self.parts.iter().map(|p| p.forward(x)).collect(),
+    pub fn forward(&self, x: &Array, ops: &Ops) -> Result<Vec<Array>> {
+        match self.forward_joined(x, ops)? {
+            Some(joined) => self.split(&joined, ops),
+            None => self.parts.iter().map(|p| p.forward(x, ops)).collect(),
         }
     }
 
     /// Each map's output out of the joined one.
-    pub fn split(&self, joined: &Array) -> Result<Vec<Array>> {
-        crate::fused::split_last(joined, &self.widths, &self.indices)
+    pub fn split(&self, joined: &Array, ops: &Ops) -> Result<Vec<Array>> {
+        ops.split_last(joined, &self.widths, &self.indices)
     }
 }
 
@@ -179,8 +151,8 @@ impl Embedding {
     }
 
     /// The table used as a linear map `dim → vocab` (a tied LM head).
-    pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        Linear::new(self.table.clone()).forward(x)
+    pub fn as_linear(&self, x: &Array, ops: &Ops) -> Result<Array> {
+        Linear::new(self.table.clone()).forward(x, ops)
     }
 }
 

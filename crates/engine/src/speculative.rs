@@ -10,83 +10,52 @@
 //! the first mismatch (or after the last draft) is the next round's bonus token.
 //!
 //! Methods ([`DraftMethod`]) name the target ports they read ([`TargetPort`]) and are refused
-//! before they allocate anything when the target lacks one ([`target_lacks`]):
+//! before they allocate anything when the target lacks one ([`crate::models::target_lacks`]):
 //! - [`lookup::PromptLookup`]: n-gram matches in the conversation, no model;
 //! - [`draft_model::DraftModel`]: a smaller model with the same tokenizer;
-//! - [`assistant::Gemma4Assistant`]: Gemma 4's assistant drafter, reading the target's own keys,
-//!   values and hidden state through [`TargetPort::AssistantRows`].
+//! - drafter families of the registry, such as Gemma 4's assistant
+//!   ([`crate::models::gemma4::Gemma4Assistant`]), reading the target's own keys, values and
+//!   hidden state through [`TargetPort::AssistantRows`].
 
-pub mod assistant;
 pub mod draft_model;
 pub mod lookup;
 
-use mlx::Array;
+use std::path::PathBuf;
 
-use crate::cache::AttentionCache;
+use mlx::Array;
+use serde::{Deserialize, Serialize};
+
+use crate::cache::{Cache, stack_offset};
 use crate::error::{Error, Result};
 use crate::generate::{
     Decoded, Emitter, Flow, GenerateRequest, Generation, StopReason, decode_loop, decode_step,
     start,
 };
 use crate::kv_file::Attachment;
-use crate::models::{Model, Phase};
+use crate::models::{Model, Phase, TargetPort, target_lacks};
 use crate::sampling::Sampler;
 
-/// What a draft method may read from the target's live state (the seed's `TargetView` ports).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TargetPort {
-    /// The Gemma 4 assistant's reads: the target's embedding, its last donor keys and values
-    /// per layer type, and its final hidden state.
-    AssistantRows,
-    /// Hidden states of chosen target layers and the embedding/head projection.
-    HiddenLayerTaps,
-    /// The final hidden layer, the embedding and the head of a recurrent MTP head.
-    RecurrentMtp,
-}
-
-impl TargetPort {
-    /// The port's name as the seed spells it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TargetPort::AssistantRows => "assistantRows",
-            TargetPort::HiddenLayerTaps => "hiddenLayerTaps",
-            TargetPort::RecurrentMtp => "recurrentMtp",
-        }
-    }
-}
-
-/// Keys and values `[B, H, N, D]`.
-pub type KeyValues = (Array, Array);
-
-/// What the target's last sliding and last full attention layers attend; either is absent
-/// when the target has no layer of that type.
-#[derive(Debug, Clone, Default)]
-pub struct DonorKv {
-    /// The last sliding-window layer's.
-    pub sliding: Option<KeyValues>,
-    /// The last full-attention layer's.
-    pub full: Option<KeyValues>,
-}
-
-/// The [`TargetPort::AssistantRows`] port: what the Gemma 4 assistant reads from its target.
-pub trait AssistantRows {
-    /// The target's residual width.
-    fn hidden_size(&self) -> usize;
-    /// Head dimensions of the target's sliding and full attention layers.
-    fn head_dims(&self) -> (i32, i32);
-    /// The target's input embedding of `ids` `[B, T]`, scaled as the target scales it.
-    fn embed(&self, ids: &Array) -> Result<Array>;
-    /// Keys and values of every stored position of the last layer of each type (its donor's
-    /// cache).
-    fn donor_kv(&self, caches: &[Box<dyn AttentionCache>]) -> Result<DonorKv>;
-    /// The final-normed hidden state `[B, T, H]` of the rows of the target's last forward
-    /// pass.
-    fn last_hidden(&self) -> Option<Array>;
-}
-
-/// The refusal for a target that does not provide a port a method reads.
-pub fn target_lacks(port: TargetPort) -> Error {
-    Error::InvalidRequest(format!("the target model does not provide {}", port.as_str()))
+/// How a reply is decoded: plainly, or speculatively with a draft method (the same tokens
+/// either way).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
+#[serde(tag = "method", rename_all = "snake_case")]
+pub enum Speculation {
+    /// One token per step.
+    #[default]
+    Off,
+    /// Drafts from n-gram matches in the conversation (no model).
+    Lookup,
+    /// Drafts from a smaller model with the same tokenizer.
+    Draft {
+        /// The draft model's folder.
+        model: PathBuf,
+    },
+    /// Drafts from a drafter made for the loaded model (a Gemma 4 assistant).
+    Assistant {
+        /// The drafter's folder.
+        model: PathBuf,
+    },
 }
 
 /// The target a method drafts for, as it stands between rounds: its caches hold every
@@ -96,7 +65,7 @@ pub struct Target<'a> {
     /// The target model.
     pub model: &'a dyn Model,
     /// Its caches.
-    pub caches: &'a [Box<dyn AttentionCache>],
+    pub caches: &'a [Box<dyn Cache>],
 }
 
 /// A source of draft tokens.
@@ -154,9 +123,10 @@ impl Default for DraftLength {
 }
 
 /// Counts of one speculative generation.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
 pub struct SpecStats {
-    /// The method's name.
+    /// The method's name (`lookup`, `draft`, `assistant`).
     pub method: String,
     /// Verify rounds run (steps with no proposal are plain decode steps, not rounds).
     pub rounds: usize,
@@ -182,19 +152,20 @@ impl SpecStats {
 }
 
 /// [`crate::generate::generate`] with a draft method: the same tokens (greedy, or sampled at
-/// the same seed), fewer target forward passes when drafts are accepted.
+/// the same seed), fewer target forward passes when drafts are accepted. Returns the
+/// generation and the method's counts.
 ///
 /// `earlier` are the tokens `caches` already hold (a resumed conversation), so that the method
 /// sees the whole conversation.
 pub fn generate(
     model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     earlier: &[u32],
     request: &GenerateRequest,
     method: &mut dyn DraftMethod,
     length: DraftLength,
     on_token: impl FnMut(u32) -> Flow,
-) -> Result<Generation> {
+) -> Result<(Generation, SpecStats)> {
     if length.max == 0 {
         return Err(Error::InvalidRequest("a speculative round drafts at least one token".into()));
     }
@@ -208,10 +179,10 @@ pub fn generate(
     let greedy = request.sampling.temperature == 0.0
         && request.sampling.repetition_penalty == 1.0
         && request.sampling.presence_penalty == 0.0;
-    if caches.first().map_or(0, |c| c.offset()) != earlier.len() {
+    if stack_offset(caches) != earlier.len() {
         return Err(Error::InvalidRequest(format!(
             "the caches hold {} positions, not the {} earlier tokens given",
-            caches.first().map_or(0, |c| c.offset()),
+            stack_offset(caches),
             earlier.len()
         )));
     }
@@ -338,8 +309,8 @@ pub fn generate(
 /// The most tokens decoded plainly between two rounds after drafts kept failing.
 const MAX_BACKOFF: usize = 64;
 
-fn with_stats(generation: Result<Generation>, stats: SpecStats) -> Result<Generation> {
-    generation.map(|g| Generation { spec: Some(stats), ..g })
+fn with_stats(generation: Result<Generation>, stats: SpecStats) -> Result<(Generation, SpecStats)> {
+    generation.map(|g| (g, stats))
 }
 
 /// Appends the verify window and returns the target's pick after each of its positions. Greedy
@@ -347,14 +318,14 @@ fn with_stats(generation: Result<Generation>, stats: SpecStats) -> Result<Genera
 /// while the drafts match (so the sampler's stream advances once per emitted token).
 fn verify(
     model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     window: &[u32],
     sampler: &mut Sampler,
     history: &[u32],
     greedy: bool,
     drafts: &[u32],
 ) -> Result<Vec<u32>> {
-    let ids = crate::models::gemma4::token_array(window)?;
+    let ids = crate::tokens::ids(window)?;
     let logits = model.forward(&ids, caches, Phase::Window)?; // [1, k + 1, V]
     let v = logits.dim(-1)?;
     let rows = window.len() as i32;

@@ -1,6 +1,47 @@
 //! Images for vision models: decoding with clear errors and bounded memory
-//! ([`image::load_rgb`]), PIL-exact bicubic resampling ([`image::resize_bicubic`]) and Gemma 4's
-//! preprocessing ([`gemma4::preprocess`]).
+//! ([`image::load_rgb`]), PIL-exact bicubic resampling ([`image::resize_bicubic`]), and the
+//! [`Vision`] port a model with a vision tower offers: its own preprocessing, its image tokens
+//! and its encoder.
 
-pub mod gemma4;
 pub mod image;
+
+use ::image::RgbImage;
+use mlx::Array;
+
+use crate::error::Result;
+
+/// An image ready for a vision tower.
+#[derive(Debug)]
+pub struct PreparedImage {
+    /// `[3, H, W]` float32 in [0, 1], channel-first.
+    pub pixels: Array,
+    /// Resized height.
+    pub height: u32,
+    /// Resized width.
+    pub width: u32,
+    /// Soft tokens the image becomes in the prompt.
+    pub soft_tokens: usize,
+    /// The resized 8-bit image the pixels were made from.
+    pub resized: RgbImage,
+}
+
+/// What a model with a vision tower offers front ends and the turn: how it sizes and encodes
+/// an image, and how an image sits in its prompt.
+pub trait Vision {
+    /// Soft-token budgets per image it supports.
+    fn budgets(&self) -> &[usize];
+    /// Resizes and scales `image` the way the model's reference preprocessor does, for a budget
+    /// of `max_soft_tokens` (one of [`Vision::budgets`]).
+    fn prepare(&self, image: &RgbImage, max_soft_tokens: usize) -> Result<PreparedImage>;
+    /// Soft-token features `[n, hidden]` of one prepared image's pixels.
+    fn encode(&self, pixels: &Array) -> Result<Array>;
+    /// The token id image features replace in the prompt.
+    fn image_token(&self) -> u32;
+    /// The tokens an image of `soft_tokens` takes in a prompt (its markers and its image
+    /// tokens), for prompts built without a chat template.
+    fn image_block(&self, soft_tokens: usize) -> Vec<u32>;
+    /// A rendered prompt with each image the chat template marked expanded into its block of
+    /// `soft_tokens[i]` image tokens; an error when the template marked another number of
+    /// images than were given.
+    fn expand(&self, tokens: &[u32], soft_tokens: &[usize]) -> Result<Vec<u32>>;
+}

@@ -380,6 +380,11 @@ pub fn graph_census(arrays: &[&Array]) -> std::collections::BTreeMap<String, usi
 }
 
 /// Builds the C++ vector the bridge takes for lists of arrays.
+/// Null for `None`, else the bridge handle behind `a`.
+pub(crate) fn opt_ptr(a: Option<&Array>) -> *const ffi::Array {
+    a.map_or(std::ptr::null(), |a| a.raw() as *const ffi::Array)
+}
+
 pub(crate) fn to_vector<'a>(
     arrays: impl IntoIterator<Item = &'a Array>,
 ) -> UniquePtr<cxx::CxxVector<ffi::Array>> {

@@ -50,9 +50,3 @@ impl Compiled {
         from_vector(&outputs)
     }
 }
-
-/// Turns compilation on or off process-wide (off: compiled functions run uncompiled).
-#[track_caller]
-pub fn set_compile_enabled(enabled: bool) -> Result<()> {
-    check(ffi::set_compile_enabled(enabled))
-}

@@ -34,12 +34,6 @@ impl Device {
             .map(|kind| if kind == ffi::DeviceKind::Gpu { Device::Gpu } else { Device::Cpu })
     }
 
-    /// Makes this the default device (for the calling thread's default stream).
-    #[track_caller]
-    pub fn set_default(self) -> Result<()> {
-        check(ffi::set_default_device(self.to_ffi()))
-    }
-
     /// MLX's description of the device: name, architecture, memory size and, on CUDA,
     /// free memory and compute capability. Keys vary by backend.
     #[track_caller]
@@ -193,26 +187,6 @@ pub mod memory {
     #[track_caller]
     pub fn limit() -> Result<usize> {
         check(ffi::get_memory_limit())
-    }
-
-    /// Sets the allocator's limit (beyond it, allocations wait for work to free memory, then
-    /// fail); returns the previous limit.
-    #[track_caller]
-    pub fn set_limit(bytes: usize) -> Result<usize> {
-        check(ffi::set_memory_limit(bytes))
-    }
-
-    /// Caps the reuse cache; returns the previous cap.
-    #[track_caller]
-    pub fn set_cache_limit(bytes: usize) -> Result<usize> {
-        check(ffi::set_cache_limit(bytes))
-    }
-
-    /// Sets how much memory may stay wired (resident) on Apple Silicon; a no-op elsewhere.
-    /// Returns the previous value.
-    #[track_caller]
-    pub fn set_wired_limit(bytes: usize) -> Result<usize> {
-        check(ffi::set_wired_limit(bytes))
     }
 
     /// Returns the reuse cache to the system.

@@ -2,13 +2,8 @@
 
 use mlx_sys::ffi;
 
-use crate::array::Array;
+use crate::array::{Array, opt_ptr};
 use crate::error::{Result, check};
-
-/// Null for `None`, else the bridge handle behind `a`.
-pub(crate) fn opt_ptr(a: Option<&Array>) -> *const ffi::Array {
-    a.map_or(std::ptr::null(), |a| a.raw() as *const ffi::Array)
-}
 
 /// RMS normalization over the last axis: `x / sqrt(mean(x²) + eps) · weight`.
 #[track_caller]

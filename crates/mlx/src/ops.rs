@@ -205,7 +205,7 @@ impl Array {
         rhs_indices: Option<&Array>,
         sorted_indices: bool,
     ) -> Result<Array> {
-        use crate::fast::opt_ptr;
+        use crate::array::opt_ptr;
         // SAFETY: each pointer is null or borrows an argument that outlives the call.
         check(unsafe {
             ffi::gather_mm(

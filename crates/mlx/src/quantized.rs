@@ -3,9 +3,9 @@
 
 use mlx_sys::ffi;
 
+use crate::array::opt_ptr;
 use crate::array::{Array, from_vector};
 use crate::error::{Error, Result, check};
-use crate::fast::opt_ptr;
 
 /// A quantized matrix: the packed words and one scale and bias per group.
 #[derive(Debug, Clone)]

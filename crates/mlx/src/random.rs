@@ -2,9 +2,9 @@
 
 use mlx_sys::ffi;
 
+use crate::array::opt_ptr;
 use crate::array::{Array, Dtype};
 use crate::error::{Result, check};
-use crate::fast::opt_ptr;
 
 /// A PRNG key (`uint32[2]`) for `seed`.
 #[track_caller]

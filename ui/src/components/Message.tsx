@@ -2,7 +2,7 @@ import { memo, useEffect, useRef, useState } from "react";
 import { convertFileSrc } from "@tauri-apps/api/core";
 import type { ThreadMessage } from "../ipc/bindings";
 import { branchLabel, hasBranches, nextSibling, prevSibling } from "../state/branches";
-import { statsLine } from "../state/format";
+import { resumed, statsLine } from "../state/format";
 import { Markdown } from "./Markdown";
 
 export function attachmentSrc(file: string): string {
@@ -182,7 +182,7 @@ export const Message = memo(function Message({
               {!isUser && !streaming ? (
                 <span className="reply-stats" data-testid="reply-stats">
                   {msg.stats ? statsLine(msg.stats) : null}
-                  {msg.stats?.resumed ? (
+                  {msg.stats && resumed(msg.stats) ? (
                     <span
                       className="tag resumed"
                       data-testid="resumed-tag"

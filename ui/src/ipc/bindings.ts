@@ -5,51 +5,58 @@ export type Role = "system" | "user" | "assistant";
 
 export type MessageState = "complete" | "streaming" | "stopped" | "error";
 
-export type ReplyStats = { 
+export type StopReason = "stop" | "length" | "stopped";
+
+export type TurnStats = { 
 /**
- * `stop` (end of turn), `length` (token budget) or `stopped` (by the user).
+ * Why the reply ended.
  */
-stop_reason: string, 
+stop_reason: StopReason, 
 /**
  * Tokens in the prompt, images included.
  */
 prompt_tokens: number, 
 /**
- * Prompt tokens restored from a KV checkpoint (the rest were prefilled).
+ * Prompt tokens restored from a checkpoint (the rest were prefilled).
  */
 reused_tokens: number, 
-/**
- * Whether the reply resumed from a KV checkpoint.
- */
-resumed: boolean, 
 /**
  * Tokens generated.
  */
 generated_tokens: number, 
 /**
- * Time to the first token, ms.
+ * From the start of the turn (images, template, checkpoint, prefill) to the first token,
+ * in ms.
  */
 ttft_ms: number, 
 /**
- * Decode speed, tokens per second.
+ * Prefill speed over the tokens actually prefilled, tokens per second.
+ */
+prefill_tok_s: number, 
+/**
+ * Decode speed after the first token, tokens per second.
  */
 decode_tok_s: number, 
 /**
- * Peak memory while generating, bytes.
+ * Time spent finding, verifying and restoring the checkpoint, in ms (part of the TTFT).
+ */
+restore_ms: number, 
+/**
+ * MLX's peak memory during the turn, in bytes.
  */
 peak_mem_bytes: number, 
 /**
  * Speculative decoding's counts, when it ran.
  */
-spec: SpecView | null, };
+spec: SpecStats | null, };
 
-export type SpecView = { 
+export type SpecStats = { 
 /**
- * `lookup` or `draft`.
+ * The method's name (`lookup`, `draft`, `assistant`).
  */
 method: string, 
 /**
- * Verify rounds.
+ * Verify rounds run (steps with no proposal are plain decode steps, not rounds).
  */
 rounds: number, 
 /**
@@ -57,20 +64,12 @@ rounds: number,
  */
 proposed: number, 
 /**
- * Draft tokens the target accepted.
+ * Draft tokens accepted.
  */
 accepted: number, 
 /**
- * accepted / proposed.
- */
-acceptance_rate: number, 
-/**
- * Drafts accepted per round.
- */
-mean_accepted_length: number, 
-/**
- * Conversation tokens the method computed before drafting: a draft model's prefill of
- * what its caches lacked (kept from the last reply, or restored with the checkpoint).
+ * Conversation tokens the method computed before its first round (a draft model's
+ * prefill of what its caches did not hold).
  */
 context_computed: number, };
 
@@ -80,7 +79,7 @@ export type Speculation = { "method": "off" } | { "method": "lookup" } | { "meth
  */
 model: string, } | { "method": "assistant", 
 /**
- * The `gemma4_assistant` folder.
+ * The drafter's folder.
  */
 model: string, };
 
@@ -162,7 +161,7 @@ state: MessageState,
 /**
  * Statistics of a finished reply.
  */
-stats: ReplyStats | null, 
+stats: TurnStats | null, 
 /**
  * Why a reply failed.
  */

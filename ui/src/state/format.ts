@@ -1,5 +1,5 @@
 // Display formatting for reply statistics.
-import type { ReplyStats } from "../ipc/bindings";
+import type { SpecStats, TurnStats } from "../ipc/bindings";
 
 function fmtNumber(n: number, digits: number): string {
   return Number.isFinite(n) ? n.toFixed(digits) : "–";
@@ -9,17 +9,32 @@ function fmtNumber(n: number, digits: number): string {
  * "TTFT 123 ms · 45.6 tok/s · 12 prompt + 34 generated tokens", and for a reply resumed from a
  * KV checkpoint "… · 1,200 reused + 12 prefilled + 34 generated tokens".
  */
-export function statsLine(s: ReplyStats): string {
+export function statsLine(s: TurnStats): string {
   const tokens =
-    s.resumed && s.reused_tokens > 0
+    resumed(s)
       ? `${s.reused_tokens.toLocaleString("en-US")} reused + ${s.prompt_tokens - s.reused_tokens} prefilled + ${s.generated_tokens} generated tokens`
       : `${s.prompt_tokens} prompt + ${s.generated_tokens} generated tokens`;
   const parts = [`TTFT ${fmtNumber(s.ttft_ms, 0)} ms`, `${fmtNumber(s.decode_tok_s, 1)} tok/s`, tokens];
   if (s.spec) {
     const method = s.spec.method;
     parts.push(
-      `${method}: ${fmtNumber(s.spec.acceptance_rate * 100, 0)}% accepted (${s.spec.accepted}/${s.spec.proposed}), ${fmtNumber(s.spec.mean_accepted_length, 1)} per round`,
+      `${method}: ${fmtNumber(acceptanceRate(s.spec) * 100, 0)}% accepted (${s.spec.accepted}/${s.spec.proposed}), ${fmtNumber(meanAcceptedLength(s.spec), 1)} per round`,
     );
   }
   return parts.join(" · ");
+}
+
+/** Whether the reply resumed from a KV checkpoint (some of its prompt was restored, not read). */
+export function resumed(s: TurnStats): boolean {
+  return s.reused_tokens > 0;
+}
+
+/** Drafts accepted / proposed (0 when nothing was proposed). */
+export function acceptanceRate(spec: SpecStats): number {
+  return spec.proposed === 0 ? 0 : spec.accepted / spec.proposed;
+}
+
+/** Drafts accepted per verify round. */
+export function meanAcceptedLength(spec: SpecStats): number {
+  return spec.rounds === 0 ? 0 : spec.accepted / spec.rounds;
 }

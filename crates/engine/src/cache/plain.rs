@@ -1,14 +1,13 @@
 //! A growable key/value buffer: every position ever appended stays visible.
 
-use std::cell::Cell;
-
 use mlx::{Array, ops};
 
 use super::{
-    AttentionCache, AttentionRead, BufferStep, Cache, CacheState, DecodeFetch, DecodeSlot,
-    ReadMask, check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor,
-    step_outputs,
+    AttentionCache, AttentionRead, BidirectionalAttentionCache, BlockAttentionCache, Cache,
+    CacheState, CommittedAttentionCache, CompiledDecodeCache, DecodeFetch, DecodeSlot, ReadMask,
+    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor, step_outputs,
 };
+use crate::backend::Ops;
 use crate::error::{Error, Result};
 
 /// Buffers grow in steps of this many positions (as mlx-lm's `KVCache` does), so decode
@@ -23,15 +22,19 @@ pub struct PlainCache {
     offset: usize,
     /// The offset when the armed speculative round began.
     round: Option<usize>,
-    /// Whether something outside the cache may hold the buffers or views of them (a state, a
-    /// restored tensor): the next write in the buffer copies them first.
-    shared: Cell<bool>,
+    /// What its reads run.
+    ops: Ops,
 }
 
 impl PlainCache {
-    /// An empty cache.
+    /// An empty cache read with MLX's ops.
     pub fn new() -> PlainCache {
         PlainCache::default()
+    }
+
+    /// An empty cache whose reads run `ops`.
+    pub fn with_ops(ops: &Ops) -> PlainCache {
+        PlainCache { ops: ops.clone(), ..PlainCache::default() }
     }
 
     /// Writes `keys`/`values` at the offset, growing the buffers when needed, and returns the
@@ -64,39 +67,6 @@ impl PlainCache {
 }
 
 impl PlainCache {
-    /// The buffers of a decode step by buffer read, grown to hold the new position and owned:
-    /// shaped like the new `keys`/`values` when given, else like the stored ones (`None` when
-    /// there are none). `None` too inside a speculative round or where the dtypes or head
-    /// sizes do not fit the kernel. The offset is the caller's to advance.
-    fn buffer_step(&mut self, new: Option<(&Array, &Array)>) -> Result<Option<BufferStep>> {
-        if self.round.is_some() {
-            return Ok(None);
-        }
-        let at = self.offset as i32;
-        let (like_k, like_v) = match (new, &self.keys, &self.values) {
-            (Some((k, v)), _, _) => (k.clone(), v.clone()),
-            (None, Some(k), Some(v)) => (k.clone(), v.clone()),
-            _ => return Ok(None),
-        };
-        let capacity = match &self.keys {
-            Some(k) => k.dim(2)?,
-            None => 0,
-        };
-        let (kbuf, vbuf) = self.reserve(&like_k, &like_v, at + 1)?;
-        if !fits_buffer_read(kbuf.dtype(), &like_k, &like_v)? || vbuf.dtype() != kbuf.dtype() {
-            return Ok(None);
-        }
-        if at + 1 > capacity {
-            // Grown: new buffers that nobody else holds.
-            self.shared.set(false);
-        }
-        let (kbuf, vbuf) = owned(&self.shared, kbuf, vbuf)?;
-        self.keys = Some(kbuf.clone());
-        self.values = Some(vbuf.clone());
-        // Slots 0..at are the stored positions; the kernel writes the new one into slot `at`.
-        Ok(Some(BufferStep { keys: kbuf, values: vbuf, read: (at, at), after: at + 1 }))
-    }
-
     /// The buffers, grown (in steps of [`STEP`] positions) to hold at least `end` positions;
     /// new buffers shaped like `keys`/`values` when there are none.
     fn reserve(&self, keys: &Array, values: &Array, end: i32) -> Result<(Array, Array)> {
@@ -115,21 +85,6 @@ impl PlainCache {
         }
         Ok((kbuf, vbuf))
     }
-}
-
-/// The buffers as they are, or copies when something outside the cache may hold them (so a
-/// write in the buffer changes nothing anyone else sees).
-pub(crate) fn owned(shared: &Cell<bool>, kbuf: Array, vbuf: Array) -> Result<(Array, Array)> {
-    if shared.replace(false) {
-        return Ok((kbuf.add_scalar(0.0)?, vbuf.add_scalar(0.0)?));
-    }
-    Ok((kbuf, vbuf))
-}
-
-/// Whether buffers of `dtype` take a decode step's new `keys`/`values` in a buffer read (the
-/// kernel reads and writes one dtype, and one head size for keys and values).
-pub(crate) fn fits_buffer_read(dtype: mlx::Dtype, keys: &Array, values: &Array) -> Result<bool> {
-    Ok(keys.dtype() == dtype && values.dtype() == dtype && keys.dim(3)? == values.dim(3)?)
 }
 
 /// `[B, H, n, D]` zeros shaped like `like` along every axis but 2.
@@ -157,20 +112,12 @@ impl Cache for PlainCache {
         super::bytes_per_position(self.keys.as_ref(), self.values.as_ref())
     }
 
-    fn buffers(&self) -> Vec<Array> {
-        self.keys.iter().chain(&self.values).cloned().collect()
+    fn stored_positions(&self) -> usize {
+        self.offset
     }
 
-    fn stored(&self) -> Result<Option<(Array, Array)>> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
-            return Ok(None);
-        };
-        let end = self.offset as i32;
-        self.shared.set(true);
-        Ok(Some((
-            k.slice(&[0, 0, 0, 0], &bounds(k, end)?, &[1, 1, 1, 1])?,
-            v.slice(&[0, 0, 0, 0], &bounds(v, end)?, &[1, 1, 1, 1])?,
-        )))
+    fn buffers(&self) -> Vec<Array> {
+        self.keys.iter().chain(&self.values).cloned().collect()
     }
 
     fn state(&self) -> Result<CacheState> {
@@ -178,7 +125,6 @@ impl Cache for PlainCache {
             return Err(Error::InvalidRequest("an empty cache has no state to save".into()));
         };
         let end = self.offset as i32;
-        self.shared.set(true);
         let keys = k.slice(&[0, 0, 0, 0], &bounds(k, end)?, &[1, 1, 1, 1])?;
         let values = v.slice(&[0, 0, 0, 0], &bounds(v, end)?, &[1, 1, 1, 1])?;
         Ok(state_of(self.signature(), self.offset, keys, values))
@@ -201,7 +147,6 @@ impl Cache for PlainCache {
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
         self.offset = offset;
-        self.shared.set(true);
         Ok(())
     }
 
@@ -243,36 +188,66 @@ impl Cache for PlainCache {
         self.round = None;
         Ok(())
     }
+
+    fn as_attention(&self) -> Option<&dyn AttentionCache> {
+        Some(self)
+    }
+
+    fn as_attention_mut(&mut self) -> Option<&mut dyn AttentionCache> {
+        Some(self)
+    }
 }
 
 impl AttentionCache for PlainCache {
     fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         let length = check_append(keys, values, true)?;
         let (k, v) = self.write(keys, values, length)?;
-        Ok(AttentionRead::new(k, v, ReadMask::None))
-    }
-
-    fn append_decode_in_buffer(
-        &mut self,
-        keys: &Array,
-        values: &Array,
-    ) -> Result<Option<AttentionRead>> {
-        check_append(keys, values, true)?;
-        let Some(step) = self.buffer_step(Some((keys, values)))? else {
-            return Ok(None);
-        };
-        let read = step.into_read((keys.clone(), values.clone()))?;
-        self.offset += 1;
-        Ok(Some(read))
+        Ok(AttentionRead::one_query(k, v, &self.ops))
     }
 
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         let length = check_append(keys, values, false)?;
         let (k, v) = self.write(keys, values, length)?;
         let mask = if length == 1 { ReadMask::None } else { ReadMask::Causal };
-        Ok(AttentionRead::new(k, v, mask))
+        Ok(AttentionRead::masked(k, v, mask, &self.ops))
     }
 
+    fn donor_read(&self) -> Result<Option<AttentionRead>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        let end = self.offset as i32;
+        let keys = k.slice(&[0, 0, 0, 0], &bounds(k, end)?, &[1, 1, 1, 1])?;
+        let values = v.slice(&[0, 0, 0, 0], &bounds(v, end)?, &[1, 1, 1, 1])?;
+        Ok(Some(AttentionRead::one_query(keys, values, &self.ops)))
+    }
+
+    fn bidirectional(&mut self) -> Option<&mut dyn BidirectionalAttentionCache> {
+        Some(self)
+    }
+
+    fn compiled(&mut self) -> Option<&mut dyn CompiledDecodeCache> {
+        Some(self)
+    }
+
+    fn committed(&mut self) -> Option<&mut dyn CommittedAttentionCache> {
+        Some(self)
+    }
+
+    fn block(&self) -> Option<&dyn BlockAttentionCache> {
+        Some(self)
+    }
+}
+
+impl CommittedAttentionCache for PlainCache {}
+
+impl BlockAttentionCache for PlainCache {
+    fn read_block(&self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        super::block_read(self.donor_read()?, keys, values, &self.ops)
+    }
+}
+
+impl BidirectionalAttentionCache for PlainCache {
     fn append_bidirectional(
         &mut self,
         keys: &Array,
@@ -283,13 +258,11 @@ impl AttentionCache for PlainCache {
         super::check_flags(flags, length)?;
         let mask = overlay_mask(self.offset, flags, None)?;
         let (k, v) = self.write(keys, values, length)?;
-        Ok(AttentionRead::new(k, v, ReadMask::Array(mask)))
+        Ok(AttentionRead::masked(k, v, ReadMask::Array(mask), &self.ops))
     }
+}
 
-    fn begin_buffer_step(&mut self) -> Result<Option<DecodeSlot>> {
-        self.buffer_step(None)?.map(BufferStep::into_slot).transpose()
-    }
-
+impl CompiledDecodeCache for PlainCache {
     fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
         match (&self.keys, &self.values) {
             (Some(k), Some(v)) if self.round.is_none() => Ok(Some(concat_slot(k, v, self.offset)?)),
@@ -298,11 +271,6 @@ impl AttentionCache for PlainCache {
     }
 
     fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
-        if fetch == DecodeFetch::Buffer {
-            // The step's kernel wrote the new position into slot `offset`.
-            self.offset += 1;
-            return Ok(());
-        }
         let (keys, values) = step_outputs(outputs)?;
         if fetch != DecodeFetch::Concat {
             return Err(Error::InvalidRequest("a plain cache is read by concatenation".into()));
@@ -314,4 +282,6 @@ impl AttentionCache for PlainCache {
         self.offset += 1;
         Ok(())
     }
+
+    fn abort_decode_step(&mut self, _slot: DecodeSlot) {}
 }

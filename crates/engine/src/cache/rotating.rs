@@ -6,15 +6,14 @@
 //! the new ones (so every new query sees a full window of history) and keeps the last
 //! `window` of them.
 
-use std::cell::Cell;
-
 use mlx::{Array, Dtype, ops};
 
 use super::{
-    AttentionCache, AttentionRead, BufferStep, Cache, CacheState, DecodeFetch, DecodeSlot,
-    ReadMask, check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor,
-    step_outputs,
+    AttentionCache, AttentionRead, BidirectionalAttentionCache, BlockAttentionCache, Cache,
+    CacheState, CommittedAttentionCache, CompiledDecodeCache, DecodeFetch, DecodeSlot, ReadMask,
+    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor, step_outputs,
 };
+use crate::backend::Ops;
 use crate::error::{Error, Result};
 
 /// Keys and values of the last `window` positions.
@@ -30,9 +29,8 @@ pub struct RotatingCache {
     offset: usize,
     /// The armed speculative round.
     round: Option<Round>,
-    /// Whether something outside the cache may hold the buffers or views of them: the next
-    /// write in the buffer copies them first.
-    shared: Cell<bool>,
+    /// What its reads run.
+    ops: Ops,
 }
 
 /// What an armed round goes back to: the ring as it was, and every position appended since.
@@ -64,8 +62,14 @@ impl RotatingCache {
             cursor: 0,
             offset: 0,
             round: None,
-            shared: Cell::new(false),
+            ops: Ops::mlx(),
         })
+    }
+
+    /// This ring with its reads run by `ops`.
+    pub fn with_ops(mut self, ops: &Ops) -> RotatingCache {
+        self.ops = ops.clone();
+        self
     }
 
     /// The sliding window length.
@@ -206,47 +210,6 @@ impl RotatingCache {
         Ok(())
     }
 
-    /// The ring of a decode step by buffer read, full-sized and owned: shaped like the new
-    /// `keys`/`values` when given, else like the stored ones (`None` when there are none).
-    /// `None` too inside a speculative round or where the dtypes or head sizes do not fit the
-    /// kernel. [`RotatingCache::advance`] is the caller's.
-    fn buffer_step(&mut self, new: Option<(&Array, &Array)>) -> Result<Option<BufferStep>> {
-        if self.round.is_some() {
-            return Ok(None);
-        }
-        let (kbuf, vbuf) = match (new, &self.keys, &self.values) {
-            (_, Some(k), Some(v)) => (self.full_size(k)?, self.full_size(v)?),
-            (Some((k, v)), _, _) => (self.empty_like(k)?, self.empty_like(v)?),
-            _ => return Ok(None),
-        };
-        let (like_k, like_v) = new.unwrap_or((&kbuf, &vbuf));
-        if !super::plain::fits_buffer_read(kbuf.dtype(), like_k, like_v)?
-            || vbuf.dtype() != kbuf.dtype()
-        {
-            return Ok(None);
-        }
-        let (kbuf, vbuf) = super::plain::owned(&self.shared, kbuf, vbuf)?;
-        self.keys = Some(kbuf.clone());
-        self.values = Some(vbuf.clone());
-        // Slots 0..len hold the stored positions. The kernel writes the new one into the
-        // cursor's slot: past them while the ring fills, else the oldest, which has left the
-        // new query's window (the kernel skips it).
-        let after = (self.len + 1).min(self.window) as i32;
-        Ok(Some(BufferStep {
-            keys: kbuf,
-            values: vbuf,
-            read: (self.len as i32, self.cursor as i32),
-            after,
-        }))
-    }
-
-    /// Moves past a position a decode step's kernel wrote into the cursor's slot.
-    fn advance(&mut self) {
-        self.len = (self.len + 1).min(self.window);
-        self.cursor = (self.cursor + 1) % self.window;
-        self.offset += 1;
-    }
-
     /// Records an append of the armed round.
     fn record(&mut self, keys: &Array, values: &Array) {
         if let Some(round) = &mut self.round {
@@ -269,30 +232,18 @@ impl Cache for RotatingCache {
         super::bytes_per_position(self.keys.as_ref(), self.values.as_ref())
     }
 
-    fn buffers(&self) -> Vec<Array> {
-        self.keys.iter().chain(&self.values).cloned().collect()
+    fn stored_positions(&self) -> usize {
+        self.len
     }
 
-    fn stored(&self) -> Result<Option<(Array, Array)>> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
-            return Ok(None);
-        };
-        self.shared.set(true);
-        if self.len == self.window {
-            return Ok(Some((k.clone(), v.clone())));
-        }
-        let slots = |b: &Array| {
-            let s = b.shape();
-            b.slice(&[0, 0, 0, 0], &[s[0], s[1], self.len as i32, s[3]], &[1, 1, 1, 1])
-        };
-        Ok(Some((slots(k)?, slots(v)?)))
+    fn buffers(&self) -> Vec<Array> {
+        self.keys.iter().chain(&self.values).cloned().collect()
     }
 
     fn state(&self) -> Result<CacheState> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Err(Error::InvalidRequest("an empty cache has no state to save".into()));
         };
-        self.shared.set(true);
         let keys =
             self.recent(k, self.len)?.ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
         let values =
@@ -334,7 +285,6 @@ impl Cache for RotatingCache {
         self.len = len;
         self.cursor = cursor;
         self.offset = offset;
-        self.shared.set(true);
         Ok(())
     }
 
@@ -415,6 +365,14 @@ impl Cache for RotatingCache {
         }
         Ok(())
     }
+
+    fn as_attention(&self) -> Option<&dyn AttentionCache> {
+        Some(self)
+    }
+
+    fn as_attention_mut(&mut self) -> Option<&mut dyn AttentionCache> {
+        Some(self)
+    }
 }
 
 impl AttentionCache for RotatingCache {
@@ -452,27 +410,53 @@ impl AttentionCache for RotatingCache {
         self.cursor = (self.cursor + 1) % self.window;
         self.offset += 1;
         self.record(keys, values);
-        Ok(AttentionRead::new(read_k, read_v, ReadMask::None))
-    }
-
-    fn append_decode_in_buffer(
-        &mut self,
-        keys: &Array,
-        values: &Array,
-    ) -> Result<Option<AttentionRead>> {
-        check_append(keys, values, true)?;
-        let Some(step) = self.buffer_step(Some((keys, values)))? else {
-            return Ok(None);
-        };
-        let read = step.into_read((keys.clone(), values.clone()))?;
-        self.advance();
-        Ok(Some(read))
+        Ok(AttentionRead::one_query(read_k, read_v, &self.ops))
     }
 
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         self.append_span(keys, values, None)
     }
 
+    fn donor_read(&self) -> Result<Option<AttentionRead>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        let slots = |b: &Array| -> Result<Array> {
+            if self.len == self.window {
+                return Ok(b.clone());
+            }
+            let s = b.shape();
+            Ok(b.slice(&[0, 0, 0, 0], &[s[0], s[1], self.len as i32, s[3]], &[1, 1, 1, 1])?)
+        };
+        Ok(Some(AttentionRead::one_query(slots(k)?, slots(v)?, &self.ops)))
+    }
+
+    fn bidirectional(&mut self) -> Option<&mut dyn BidirectionalAttentionCache> {
+        Some(self)
+    }
+
+    fn compiled(&mut self) -> Option<&mut dyn CompiledDecodeCache> {
+        Some(self)
+    }
+
+    fn committed(&mut self) -> Option<&mut dyn CommittedAttentionCache> {
+        Some(self)
+    }
+
+    fn block(&self) -> Option<&dyn BlockAttentionCache> {
+        Some(self)
+    }
+}
+
+impl CommittedAttentionCache for RotatingCache {}
+
+impl BlockAttentionCache for RotatingCache {
+    fn read_block(&self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        super::block_read(self.donor_read()?, keys, values, &self.ops)
+    }
+}
+
+impl BidirectionalAttentionCache for RotatingCache {
     fn append_bidirectional(
         &mut self,
         keys: &Array,
@@ -483,11 +467,9 @@ impl AttentionCache for RotatingCache {
         super::check_flags(flags, length)?;
         self.append_span(keys, values, Some(flags))
     }
+}
 
-    fn begin_buffer_step(&mut self) -> Result<Option<DecodeSlot>> {
-        self.buffer_step(None)?.map(BufferStep::into_slot).transpose()
-    }
-
+impl CompiledDecodeCache for RotatingCache {
     fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
         if self.round.is_some() {
             return Ok(None);
@@ -507,10 +489,6 @@ impl AttentionCache for RotatingCache {
     }
 
     fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
-        if fetch == DecodeFetch::Buffer {
-            self.advance();
-            return Ok(());
-        }
         let (keys, values) = step_outputs(outputs)?;
         self.keys = Some(keys);
         self.values = Some(values);
@@ -570,7 +548,7 @@ impl RotatingCache {
             // Inside a round, positions go where decode steps would put them.
             self.ring_append(keys, values)?;
             self.record(keys, values);
-            return Ok(AttentionRead::new(full_k, full_v, mask));
+            return Ok(AttentionRead::masked(full_k, full_v, mask, &self.ops));
         }
         let keep = total.min(self.window);
         let (fs, vs) = (full_k.shape(), full_v.shape());
@@ -586,7 +564,7 @@ impl RotatingCache {
         self.len = keep;
         self.cursor = keep % self.window;
         self.offset += length;
-        Ok(AttentionRead::new(full_k, full_v, mask))
+        Ok(AttentionRead::masked(full_k, full_v, mask, &self.ops))
     }
 }
 

@@ -55,11 +55,7 @@ impl CacheRows {
     /// Padding positions the next read puts before each row's stored ones, so that every row
     /// ends at the same column (before the append: the append adds the same count to each).
     pub fn left_pad(&self) -> Result<Vec<usize>> {
-        let stored = self
-            .rows
-            .iter()
-            .map(|r| Ok(r.stored()?.map_or(0, |(k, _)| k.dim(2).unwrap_or(0) as usize)))
-            .collect::<Result<Vec<_>>>()?;
+        let stored: Vec<usize> = self.rows.iter().map(|r| r.stored_positions()).collect();
         let longest = stored.iter().copied().max().unwrap_or(0);
         Ok(stored.iter().map(|s| longest - s).collect())
     }
@@ -237,12 +233,14 @@ fn stack_reads(reads: &[AttentionRead], length: usize) -> Result<AttentionRead> 
         let pad = longest - len;
         keys.push(left_pad(&read.keys, pad)?);
         values.push(left_pad(&read.values, pad)?);
-        masks.push(row_mask(&read.mask, length, len, pad)?);
+        masks.push(row_mask(&read.mask()?, length, len, pad)?);
     }
     let keys = ops::concatenate(&keys.iter().collect::<Vec<_>>(), 0)?;
     let values = ops::concatenate(&values.iter().collect::<Vec<_>>(), 0)?;
     let mask = ops::stack(&masks.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[1])?;
-    Ok(AttentionRead::new(keys, values, ReadMask::Array(mask)))
+    // The rows' reads share their storage's ops (one signature per batch).
+    let ops = reads.first().map(AttentionRead::ops).cloned().unwrap_or_default();
+    Ok(AttentionRead::masked(keys, values, ReadMask::Array(mask), &ops))
 }
 
 /// `[1, H, N, D]` with `pad` zero positions put first.

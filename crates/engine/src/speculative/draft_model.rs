@@ -6,7 +6,7 @@ use std::path::Path;
 use mlx::Array;
 
 use super::{DraftMethod, Target};
-use crate::cache::AttentionCache;
+use crate::cache::Cache;
 use crate::error::{Error, Result};
 use crate::kv_file::Attachment;
 use crate::models::{Model, Phase, Rows};
@@ -22,7 +22,7 @@ pub struct DraftModel {
     model: Box<dyn Model>,
     /// What its attachments are keyed by (SHA-256 of its `config.json`); empty: never saved.
     identity: String,
-    caches: Vec<Box<dyn AttentionCache>>,
+    caches: Vec<Box<dyn Cache>>,
     /// The conversation tokens the caches hold (committed).
     held: Vec<u32>,
     /// The open round: the tokens appended before the drafts, and the drafts proposed.
@@ -44,11 +44,11 @@ impl DraftModel {
         }
     }
 
-    /// Loads the model in `path`.
-    pub fn load(path: impl AsRef<Path>) -> Result<DraftModel> {
-        let path = path.as_ref();
-        let mut draft = DraftModel::new(crate::models::load(path)?);
-        let config = path.join("config.json");
+    /// Wraps the model loaded from `folder`, whose state is kept with checkpoints (keyed by
+    /// the SHA-256 of its `config.json`).
+    pub fn from_folder(model: Box<dyn Model>, folder: &Path) -> Result<DraftModel> {
+        let mut draft = DraftModel::new(model);
+        let config = folder.join("config.json");
         let bytes = std::fs::read(&config).map_err(|source| Error::Io { path: config, source })?;
         draft.identity = crate::kv_file::sha256_hex(&bytes);
         Ok(draft)
@@ -61,7 +61,7 @@ impl DraftModel {
 
     /// Fresh, empty caches.
     fn reset(&mut self) -> Result<()> {
-        self.caches = self.model.new_caches()?;
+        self.caches = self.model.fresh_caches()?;
         self.held.clear();
         self.round = None;
         Ok(())
@@ -127,7 +127,7 @@ impl DraftModel {
 }
 
 fn ids(tokens: &[u32]) -> Result<Array> {
-    crate::models::gemma4::token_array(tokens)
+    crate::tokens::ids(tokens)
 }
 
 impl DraftMethod for DraftModel {
@@ -266,7 +266,7 @@ impl DraftMethod for DraftModel {
             // Another draft model's, or no better than what the caches hold already.
             return Ok(());
         }
-        let mut caches = self.model.new_caches()?;
+        let mut caches = self.model.fresh_caches()?;
         let restored =
             crate::kv_file::restore_stack(&mut caches, "layer.", &found.tensors, &found.metadata);
         match restored {

@@ -127,7 +127,11 @@ fn run(cache: &mut dyn AttentionCache, window: Option<usize>, steps: &[Step], se
         let first = keys.len();
         let read = match step {
             Step::Decode => cache.append_decode(&k, &v).unwrap(),
-            Step::Bidirectional(flags) => cache.append_bidirectional(&k, &v, flags).unwrap(),
+            Step::Bidirectional(flags) => cache
+                .bidirectional()
+                .expect("attention storages take image blocks")
+                .append_bidirectional(&k, &v, flags)
+                .unwrap(),
             _ => cache.append_window(&k, &v).unwrap(),
         };
         for i in 0..length as i32 {
@@ -598,12 +602,14 @@ fn exact_attention(q: &Array, k: &Array, v: &Array, scale: f32) -> Array {
     p.multiply(&v).unwrap().sum(&[-2], false).unwrap().reshape(&[1, heads, 1, dim]).unwrap()
 }
 
-/// A decode read (one query, no mask) equals MLX's attention by every route a decode step may
-/// take: on CUDA Quince's one-query kernel and both op routes, elsewhere the op route. The
-/// keys are a read's valid prefix of a larger buffer (a strided view), the kernel's case.
+/// A decode read (one query, no mask) equals exact attention whichever ops the cache was
+/// built with: Quince's kernels (on CUDA the one-query kernel, elsewhere MLX's op route, as
+/// there are no kernels) and MLX's own. The keys are a read's valid prefix of a larger buffer
+/// (a strided view), the kernel's case.
 #[test]
-fn every_decode_attention_route_equals_mlx_attention() {
-    use engine::cache::{DecodeAttention, set_decode_attention};
+fn a_decode_read_equals_exact_attention_with_either_ops() {
+    use engine::KernelOptions;
+    use engine::backend::Ops;
     let cases = [
         (Dtype::Float32, 8, 2, 256, 9),
         (Dtype::Float32, 8, 2, 512, 700),
@@ -613,10 +619,9 @@ fn every_decode_attention_route_equals_mlx_attention() {
         (Dtype::Float32, 8, 1, 512, 4100), // split across blocks, an uneven last block
     ];
     let cuda = mlx::Backend::current() == mlx::Backend::Cuda;
-    for route in [DecodeAttention::Kernel, DecodeAttention::Rows] {
-        set_decode_attention(route);
+    for (name, ops) in [("quince", Ops::new(&KernelOptions::default())), ("mlx", Ops::mlx())] {
         for (dtype, heads, kv_heads, dim, len) in cases {
-            let mut cache = PlainCache::new();
+            let mut cache = PlainCache::with_ops(&ops);
             let kv = |seed| normal(&[1, kv_heads, len, dim], seed).astype(dtype).unwrap();
             let (k, v) = (kv(1), kv(2));
             let at = |x: &Array, from, to| {
@@ -647,107 +652,114 @@ fn every_decode_attention_route_equals_mlx_attention() {
                 let exact = exact_attention(&f32(&q), &f32(&k), &f32(&v), scale);
                 let diff = max_diff(&f32(&ours), &exact);
                 let allowed = if dtype == Dtype::Float32 {
-                    // MLX-CUDA's cuBLAS products of f32 run in TF32 (10-bit mantissa); the
-                    // kernel and every CPU route are f32 throughout.
-                    if cuda && route == DecodeAttention::Rows { 2e-2 } else { 1e-5 }
+                    // MLX-CUDA's attention may run its products in TF32 (10-bit mantissa);
+                    // Quince's kernel and every CPU route are f32 throughout.
+                    if cuda && !ops.has_kernels() { 2e-2 } else { 1e-5 }
                 } else {
                     max_diff(&f32(&mlx(&q, &k, &v)), &exact) + 8e-3
                 };
                 assert!(
                     diff <= allowed,
-                    "{route:?} {dtype:?} {heads}/{kv_heads} heads of {dim}, {len} keys, \
+                    "{name} {dtype:?} {heads}/{kv_heads} heads of {dim}, {len} keys, \
                      scale {scale}: {diff} > {allowed}"
                 );
             }
         }
     }
-    set_decode_attention(DecodeAttention::Kernel);
-}
-
-/// On CUDA a decode step writes its keys and values inside the attention kernel (a buffer
-/// read, `append_decode_in_buffer`). For a growing buffer and for a ring that wraps, each read
-/// equals exact attention over the positions `append_decode` stores, and so does the read the
-/// step's KV-sharing layers take after the write. A state taken before a trim (its keys are a
-/// view of the buffer's slots the next appends rewrite) or while the ring's oldest slot is 0
-/// (a view of the whole ring) stays as it was, also when a cache restored from it decodes:
-/// the next write copies the buffers first.
-/// Elsewhere the kernel does not exist and the test says so.
-#[test]
-fn buffer_reads_write_in_the_kernel_and_leave_states_alone() {
-    if mlx::Backend::current() != mlx::Backend::Cuda {
-        eprintln!("skipped: buffer reads run on CUDA only");
-        return;
-    }
-    let (heads, kv_heads, dim, scale) = (4, 2, 64, 0.125);
-    let values_of = |a: &Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
-    for window in [None, Some(5usize)] {
-        let make = || -> Box<dyn AttentionCache> {
-            match window {
-                None => Box::new(PlainCache::new()),
-                Some(w) => Box::new(RotatingCache::new(w).unwrap()),
-            }
-        };
-        let (mut a, mut b) = (make(), make());
-        let (k0, v0) = (normal(&[1, kv_heads, 3, dim], 1), normal(&[1, kv_heads, 3, dim], 2));
-        a.append_window(&k0, &v0).unwrap();
-        b.append_window(&k0, &v0).unwrap();
-        let mut held = None;
-        for step in 0..14u64 {
-            let k = normal(&[1, kv_heads, 1, dim], 100 + step);
-            let v = normal(&[1, kv_heads, 1, dim], 200 + step);
-            let q = normal(&[1, heads, 1, dim], 300 + step);
-            let q_shared = normal(&[1, heads, 1, dim], 400 + step);
-            let launched = engine::cache::buffer_reads();
-            let read = a.append_decode_in_buffer(&k, &v).unwrap().expect("a buffer read");
-            b.append_decode(&k, &v).unwrap();
-            let (sk, sv) = b.stored().unwrap().unwrap();
-            let out = read.attend(&q, scale).unwrap();
-            let shared = read.written().unwrap().attend(&q_shared, scale).unwrap();
-            let diff = max_diff(&out, &exact_attention(&q, &sk, &sv, scale));
-            assert!(diff <= 1e-5, "{window:?} step {step}: the read is off by {diff}");
-            let diff = max_diff(&shared, &exact_attention(&q_shared, &sk, &sv, scale));
-            assert!(diff <= 1e-5, "{window:?} step {step}: the shared read is off by {diff}");
-            assert_eq!(engine::cache::buffer_reads(), launched + 2, "both reads ran the kernel");
-            assert_eq!(a.offset(), b.offset());
-            let take = match window {
-                None => step == 4,
-                Some(_) => held.is_none() && a.state().unwrap().metadata["cursor"] == "0",
-            };
-            if take {
-                let state = a.state().unwrap();
-                let before =
-                    (values_of(&state.tensors["keys"]), values_of(&state.tensors["values"]));
-                if window.is_none() {
-                    assert_eq!(a.trim(2).unwrap(), 2);
-                    assert_eq!(b.trim(2).unwrap(), 2);
-                }
-                held = Some((state, before));
-            }
-        }
-        let (state, (keys, values)) = held.expect("a state was taken");
-        // A cache restored from the state (a full ring with its oldest slot at 0 takes the
-        // state's tensors as its buffers) decodes without writing into them.
-        let mut restored = make();
-        restored.restore(&state).unwrap();
-        for step in 0..3u64 {
-            let k = normal(&[1, kv_heads, 1, dim], 600 + step);
-            let v = normal(&[1, kv_heads, 1, dim], 700 + step);
-            let read = restored.append_decode_in_buffer(&k, &v).unwrap().expect("a buffer read");
-            read.attend(&normal(&[1, heads, 1, dim], 800 + step), scale).unwrap().eval().unwrap();
-        }
-        assert_eq!(values_of(&state.tensors["keys"]), keys, "{window:?}: a held state changed");
-        assert_eq!(values_of(&state.tensors["values"]), values, "{window:?}: held values changed");
-    }
 }
 
 /// Long one-query reads split only where Quince's CUDA kernel runs them, which is what the
-/// app's warm-up decodes past; everywhere else there is nothing to warm.
+/// app's warm-up decodes past; everywhere else, and with MLX's ops, there is nothing to warm.
 #[test]
 fn split_reads_apply_only_to_the_cuda_kernel() {
+    use engine::KernelOptions;
+    use engine::backend::Ops;
     let on_cuda = mlx::Backend::current() == mlx::Backend::Cuda;
-    let kernel = engine::cache::decode_attention() == engine::cache::DecodeAttention::Kernel;
-    match engine::cache::split_reads_above() {
-        Some(keys) => assert!(on_cuda && kernel && keys >= 512, "{keys}"),
-        None => assert!(!(on_cuda && kernel)),
+    match Ops::new(&KernelOptions::default()).split_reads_above() {
+        Some(keys) => assert!(on_cuda && keys >= 512, "{keys}"),
+        None => assert!(!on_cuda),
+    }
+    assert_eq!(Ops::mlx().split_reads_above(), None);
+    assert_eq!(Ops::new(&KernelOptions::mlx()).split_reads_above(), None);
+}
+
+/// A committed span reads each of its positions as a decode step would, bit for bit, and
+/// leaves the storage as those decode steps leave it; a block read sees the stored context
+/// (a ring's window) and the whole block, and stores nothing.
+#[test]
+fn committed_spans_are_decode_steps_and_block_reads_store_nothing() {
+    use engine::cache::{BlockAttentionCache, CommittedAttentionCache};
+    let makers: [(&str, Option<usize>, fn() -> Box<dyn AttentionCache>); 3] = [
+        ("plain", None, || Box::new(PlainCache::new())),
+        ("ring 3", Some(3), || Box::new(RotatingCache::new(3).unwrap())),
+        ("ring 8", Some(8), || Box::new(RotatingCache::new(8).unwrap())),
+    ];
+    for (name, window, make) in makers {
+        for prefix in [1usize, 2, 5] {
+            let (k0, v0) =
+                (normal(&[B, HKV, prefix as i32, D], 1), normal(&[B, HKV, prefix as i32, D], 2));
+            let (k, v) = (normal(&[B, HKV, 4, D], 3), normal(&[B, HKV, 4, D], 4));
+            let q = normal(&[B, HQ, 4, D], 5);
+            let (mut span, mut steps) = (make(), make());
+            span.append_window(&k0, &v0).unwrap();
+            steps.append_window(&k0, &v0).unwrap();
+            let committed: &mut dyn CommittedAttentionCache = span.committed().unwrap();
+            let read = committed.append_committed(&k, &v).unwrap();
+            let out = read.attend(&q, 0.5).unwrap();
+            // The last two queries alone (a pass that needs only the last rows) read as the
+            // whole span's last two.
+            let last = q.slice(&[0, 0, 2, 0], &[B, HQ, 4, D], &[1; 4]).unwrap();
+            let tail_out = out.slice(&[0, 0, 2, 0], &[B, HQ, 4, D], &[1; 4]).unwrap();
+            assert!(bitwise_equal(&read.attend(&last, 0.5).unwrap(), &tail_out), "{name}");
+            let at = |x: &Array, i: i32, heads: i32| {
+                x.slice(&[0, 0, i, 0], &[B, heads, i + 1, D], &[1; 4]).unwrap()
+            };
+            for i in 0..4 {
+                let read = steps.append_decode(&at(&k, i, HKV), &at(&v, i, HKV)).unwrap();
+                let want = read.attend(&at(&q, i, HQ), 0.5).unwrap();
+                assert!(
+                    bitwise_equal(&at(&out, i, HQ), &want),
+                    "{name}, prefix {prefix}: query {i}"
+                );
+            }
+            assert_eq!(span.offset(), steps.offset());
+            for (x, y) in span.buffers().iter().zip(steps.buffers()) {
+                assert!(bitwise_equal(x, &y), "{name}: the span stores what the steps store");
+            }
+
+            // A block of 3 over what is stored now.
+            let (bk, bv) = (normal(&[B, HKV, 3, D], 6), normal(&[B, HKV, 3, D], 7));
+            let bq = normal(&[B, HQ, 3, D], 8);
+            let before = span.offset();
+            let block: &dyn BlockAttentionCache = span.block().unwrap();
+            let got = block.read_block(&bk, &bv).unwrap().attend(&bq, 0.5).unwrap();
+            assert_eq!(span.offset(), before, "a block read appends nothing");
+            let history_k = ops::concatenate(&[&k0, &k], 2).unwrap();
+            let history_v = ops::concatenate(&[&v0, &v], 2).unwrap();
+            let total = prefix as i32 + 4;
+            let kept = window.map_or(total, |w| (w as i32).min(total));
+            let tail = |x: &Array| {
+                x.slice(&[0, 0, total - kept, 0], &[B, HKV, total, D], &[1; 4]).unwrap()
+            };
+            let keys = [tail(&history_k)]
+                .into_iter()
+                .chain((0..3).map(|i| at(&bk, i, HKV)))
+                .collect::<Vec<_>>();
+            let values = [tail(&history_v)]
+                .into_iter()
+                .chain((0..3).map(|i| at(&bv, i, HKV)))
+                .collect::<Vec<_>>();
+            // Every key visible to every query: `naive` with the whole block as one image run
+            // past a history it sees entirely.
+            let want = naive(&bq, &keys, &values, kept as usize, None, Some(&[true, true, true]));
+            let diff = max_diff(&got, &want);
+            assert!(diff < 1e-5, "{name}, prefix {prefix}: block read off by {diff}");
+            // The next decode is unaffected.
+            let (dk, dv) = (normal(&[B, HKV, 1, D], 9), normal(&[B, HKV, 1, D], 10));
+            let dq = normal(&[B, HQ, 1, D], 11);
+            let a = span.append_decode(&dk, &dv).unwrap().attend(&dq, 0.5).unwrap();
+            let b = steps.append_decode(&dk, &dv).unwrap().attend(&dq, 0.5).unwrap();
+            assert!(bitwise_equal(&a, &b), "{name}: the block left the cache alone");
+        }
     }
 }

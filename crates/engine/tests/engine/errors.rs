@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 
 use engine::Error;
 use engine::generate::{Flow, GenerateRequest, generate};
-use engine::models;
 use serde_json::Value;
 
 /// A copy of the `dense` golden checkpoint in a temp dir, with `edit` applied to its config.
@@ -24,7 +23,8 @@ fn checkpoint(edit: impl FnOnce(&mut Value)) -> (tempfile::TempDir, PathBuf) {
 }
 
 fn load_err(path: &Path) -> Error {
-    models::load(path).expect_err("this checkpoint must be refused")
+    engine::registry::load_model(path, &engine::LoadOptions::default())
+        .expect_err("this checkpoint must be refused")
 }
 
 #[test]
@@ -124,8 +124,8 @@ fn corrupt_safetensors_header_is_reported() {
 #[test]
 fn prompt_over_the_context_limit_is_refused_before_any_work() {
     let (_dir, path) = checkpoint(|c| c["text_config"]["max_position_embeddings"] = 48.into());
-    let model = models::load(&path).unwrap();
-    let mut caches = model.new_caches().unwrap();
+    let model = engine::registry::load_model(&path, &engine::LoadOptions::default()).unwrap();
+    let mut caches = model.fresh_caches().unwrap();
     let request = GenerateRequest::new((3..43).collect(), 16);
     let err = generate(model.as_ref(), &mut caches, &request, |_| Flow::Continue)
         .expect_err("40 + 16 > 48");
@@ -152,9 +152,9 @@ fn prompt_over_the_context_limit_is_refused_before_any_work() {
 #[test]
 fn stop_tokens_and_cancellation_end_generation() {
     let (_dir, path) = checkpoint(|_| {});
-    let model = models::load(&path).unwrap();
+    let model = engine::registry::load_model(&path, &engine::LoadOptions::default()).unwrap();
     let prompt: Vec<u32> = (10..30).collect();
-    let mut caches = model.new_caches().unwrap();
+    let mut caches = model.fresh_caches().unwrap();
     let free =
         generate(model.as_ref(), &mut caches, &GenerateRequest::new(prompt.clone(), 12), |_| {
             Flow::Continue
@@ -166,13 +166,13 @@ fn stop_tokens_and_cancellation_end_generation() {
     let first = free.tokens.iter().position(|&t| t == stop).unwrap();
     let request =
         GenerateRequest { stop_tokens: vec![stop], ..GenerateRequest::new(prompt.clone(), 12) };
-    let mut caches = model.new_caches().unwrap();
+    let mut caches = model.fresh_caches().unwrap();
     let stopped = generate(model.as_ref(), &mut caches, &request, |_| Flow::Continue).unwrap();
     assert_eq!(stopped.tokens, free.tokens[..=first].to_vec());
     assert_eq!(stopped.stop_reason, engine::generate::StopReason::StopToken);
     // The callback stops after five tokens.
     let mut seen = 0;
-    let mut caches = model.new_caches().unwrap();
+    let mut caches = model.fresh_caches().unwrap();
     let cancelled =
         generate(model.as_ref(), &mut caches, &GenerateRequest::new(prompt, 12), |_| {
             seen += 1;

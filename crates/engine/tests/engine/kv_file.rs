@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use engine::cache::AttentionCache;
+use engine::cache::Cache;
 use engine::generate::{Flow, GenerateRequest, generate};
 use engine::kv_file::{self, Identity};
-use engine::models::{self, Model};
+use engine::models::Model;
 
 fn golden_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/gemma4").join(name)
@@ -16,12 +16,7 @@ fn identity() -> Identity {
     Identity { model_id: "dense".into(), config_hash: "c0ffee".into() }
 }
 
-fn greedy(
-    model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
-    prompt: &[u32],
-    n: usize,
-) -> Vec<u32> {
+fn greedy(model: &dyn Model, caches: &mut [Box<dyn Cache>], prompt: &[u32], n: usize) -> Vec<u32> {
     generate(model, caches, &GenerateRequest::new(prompt.to_vec(), n), |_| Flow::Continue)
         .unwrap()
         .tokens
@@ -29,18 +24,15 @@ fn greedy(
 
 /// A conversation's first turn on the `dense` checkpoint (sliding window 6, so its rotating
 /// caches have wrapped): the caches and the tokens they hold.
-fn first_turn(model: &dyn Model) -> (Vec<Box<dyn AttentionCache>>, Vec<u32>) {
+fn first_turn(model: &dyn Model) -> (Vec<Box<dyn Cache>>, Vec<u32>) {
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 250) as u32 + 2).collect();
-    let mut caches = model.new_caches().unwrap();
+    let mut caches = model.fresh_caches().unwrap();
     let reply = greedy(model, &mut caches, &prompt, 12);
     let held: Vec<u32> = prompt.iter().chain(&reply).copied().take(caches[0].offset()).collect();
     (caches, held)
 }
 
-fn write(
-    model: &dyn Model,
-    dir: &Path,
-) -> (kv_file::Written, Vec<u32>, Vec<Box<dyn AttentionCache>>) {
+fn write(model: &dyn Model, dir: &Path) -> (kv_file::Written, Vec<u32>, Vec<Box<dyn Cache>>) {
     let (caches, held) = first_turn(model);
     let written =
         kv_file::write(&dir.join("turn1.safetensors"), &caches, &held, &identity(), &[]).unwrap();
@@ -49,7 +41,8 @@ fn write(
 
 #[test]
 fn a_restored_stack_is_bit_identical_and_continues_like_a_cold_run() {
-    let model = models::load(golden_dir("dense")).unwrap();
+    let model =
+        engine::registry::load_model(golden_dir("dense"), &engine::LoadOptions::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (written, held, mut saved) = write(model.as_ref(), dir.path());
     assert!(written.signature.contains("rotating(window=6)"), "{}", written.signature);
@@ -58,7 +51,7 @@ fn a_restored_stack_is_bit_identical_and_continues_like_a_cold_run() {
         std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(leftovers.len(), 1, "no temporary file left: {leftovers:?}");
 
-    let mut restored = model.new_caches().unwrap();
+    let mut restored = model.fresh_caches().unwrap();
     let read = kv_file::read(&written.path, &written.sha256, &identity(), &mut restored).unwrap();
     let tokens = read.tokens;
     assert!(read.attachments.is_empty());
@@ -77,18 +70,19 @@ fn a_restored_stack_is_bit_identical_and_continues_like_a_cold_run() {
     let warm = greedy(model.as_ref(), &mut restored, &turn2, 16);
     assert_eq!(warm, greedy(model.as_ref(), &mut saved, &turn2, 16));
     let whole: Vec<u32> = held.iter().chain(&turn2).copied().collect();
-    let mut cold = model.new_caches().unwrap();
+    let mut cold = model.fresh_caches().unwrap();
     assert_eq!(warm, greedy(model.as_ref(), &mut cold, &whole, 16), "restored = cold re-prefill");
 }
 
 #[test]
 fn damaged_or_foreign_checkpoints_are_refused() {
-    let model = models::load(golden_dir("dense")).unwrap();
+    let model =
+        engine::registry::load_model(golden_dir("dense"), &engine::LoadOptions::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (written, _, _) = write(model.as_ref(), dir.path());
     let bytes = std::fs::read(&written.path).unwrap();
     let refused = |path: &Path, sha: &str, identity: &Identity| {
-        let mut caches = model.new_caches().unwrap();
+        let mut caches = model.fresh_caches().unwrap();
         kv_file::read(path, sha, identity, &mut caches).unwrap_err().to_string()
     };
     // Truncated, and one flipped bit: the recorded hash no longer matches.
@@ -110,8 +104,10 @@ fn damaged_or_foreign_checkpoints_are_refused() {
     let other = Identity { model_id: "dense".into(), config_hash: "another".into() };
     assert!(refused(&written.path, &written.sha256, &other).contains("written for dense"));
     // Another cache geometry: the text-only checkpoint's stack (window 8).
-    let text = models::load(golden_dir("text_only")).unwrap();
-    let mut caches = text.new_caches().unwrap();
+    let text =
+        engine::registry::load_model(golden_dir("text_only"), &engine::LoadOptions::default())
+            .unwrap();
+    let mut caches = text.fresh_caches().unwrap();
     assert!(kv_file::read(&written.path, &written.sha256, &identity(), &mut caches).is_err());
     // Caches are written only with exactly the tokens they hold.
     let (caches, held) = first_turn(model.as_ref());

@@ -4,8 +4,8 @@
 
 mod cache;
 mod errors;
-mod fused;
 mod gemma4;
+mod kernels;
 mod kv_file;
 mod speculative;
 mod tokenizer;

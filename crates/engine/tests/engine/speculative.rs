@@ -4,14 +4,14 @@
 
 use std::path::PathBuf;
 
-use engine::generate::{Flow, GenerateRequest, Generation, generate};
-use engine::models::{self, Model};
+use engine::generate::{Flow, GenerateRequest, Generation, StopReason, generate};
+use engine::models::gemma4::Gemma4Assistant;
+use engine::models::gemma4::processor::preprocess;
+use engine::models::{Model, TargetPort};
 use engine::sampling::SamplingParams;
-use engine::speculative::assistant::Gemma4Assistant;
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
-use engine::speculative::{self, DraftLength, DraftMethod, Target, TargetPort};
-use engine::vision::gemma4::preprocess;
+use engine::speculative::{self, DraftLength, DraftMethod, SpecStats, Target};
 use engine::vision::image::load_rgb;
 use mlx::{Array, Dtype};
 
@@ -20,12 +20,36 @@ fn golden(path: &str) -> PathBuf {
 }
 
 fn load(name: &str) -> Box<dyn Model> {
-    models::load(golden(&format!("gemma4/{name}"))).unwrap()
+    engine::registry::load_model(golden(&format!("gemma4/{name}")), &engine::LoadOptions::default())
+        .unwrap()
+}
+
+/// A draft model whose state is kept with checkpoints.
+fn draft_model(dir: &std::path::Path) -> DraftModel {
+    DraftModel::from_folder(test_support::load(dir), dir).unwrap()
 }
 
 fn plain(model: &dyn Model, request: &GenerateRequest) -> Generation {
-    let mut caches = model.new_caches().unwrap();
+    let mut caches = model.fresh_caches().unwrap();
     generate(model, &mut caches, request, |_| Flow::Continue).unwrap()
+}
+
+/// A speculative generation's tokens, stop reason and counts.
+#[derive(Debug)]
+struct Speculated {
+    tokens: Vec<u32>,
+    stop_reason: StopReason,
+    spec: Option<SpecStats>,
+}
+
+impl From<(Generation, SpecStats)> for Speculated {
+    fn from((generation, spec): (Generation, SpecStats)) -> Speculated {
+        Speculated {
+            tokens: generation.tokens,
+            stop_reason: generation.stop_reason,
+            spec: Some(spec),
+        }
+    }
 }
 
 fn speculative(
@@ -33,12 +57,12 @@ fn speculative(
     request: &GenerateRequest,
     method: &mut dyn DraftMethod,
     length: DraftLength,
-) -> (Generation, usize) {
-    let mut caches = model.new_caches().unwrap();
+) -> (Speculated, usize) {
+    let mut caches = model.fresh_caches().unwrap();
     let reply =
         speculative::generate(model, &mut caches, &[], request, method, length, |_| Flow::Continue)
             .unwrap();
-    (reply, caches[0].offset())
+    (reply.into(), caches[0].offset())
 }
 
 /// A prompt that repeats itself, so prompt lookup has matches to propose.
@@ -57,7 +81,8 @@ fn image_request(model: &dyn Model, max_tokens: usize) -> GenerateRequest {
         .unwrap();
     let tokens: Vec<u32> = golden_ids.into_iter().map(|t| t as u32).collect();
     let rgb = load_rgb(&golden("vision/images/rgb_640x480.png")).unwrap();
-    let image: Array = model.encode_image(&preprocess(&rgb, 70).unwrap().pixels).unwrap();
+    let vision = model.vision().unwrap();
+    let image: Array = vision.encode(&preprocess(&rgb, 70).unwrap().pixels).unwrap();
     GenerateRequest { images: vec![image], ..GenerateRequest::new(tokens, max_tokens) }
 }
 
@@ -86,6 +111,7 @@ fn greedy_output_is_plain_output_for_every_method() {
             {
                 let (got, offset) = speculative(model.as_ref(), request, method.as_mut(), length);
                 assert_eq!(got.tokens, want.tokens, "{what}, {name}, {length:?}");
+                assert_eq!(got.stop_reason, want.stop_reason, "{what}, {name}, {length:?}");
                 let spec = got.spec.clone().unwrap();
                 assert!(spec.proposed > 0 && spec.rounds > 0, "{what}, {name}: nothing verified");
                 // The caches hold the prompt and every token but the last, as after plain decoding.
@@ -155,7 +181,7 @@ fn stops_and_budgets_end_a_round_where_plain_decoding_ends() {
     }
     // The callback's stop, as a user's Stop button.
     let request = GenerateRequest::new(text_prompt(), 40);
-    let mut caches = model.new_caches().unwrap();
+    let mut caches = model.fresh_caches().unwrap();
     let mut seen = 0;
     let got = speculative::generate(
         model.as_ref(),
@@ -169,6 +195,7 @@ fn stops_and_budgets_end_a_round_where_plain_decoding_ends() {
             if seen == 10 { Flow::Stop } else { Flow::Continue }
         },
     )
+    .map(Speculated::from)
     .unwrap();
     assert_eq!(got.tokens, want.tokens[..10]);
     assert_eq!(caches[0].offset(), request.prompt.len() + 9);
@@ -179,13 +206,22 @@ fn stops_and_budgets_end_a_round_where_plain_decoding_ends() {
 struct OtherVocabulary;
 
 impl Model for OtherVocabulary {
-    fn new_caches(&self) -> engine::Result<Vec<Box<dyn engine::cache::AttentionCache>>> {
+    fn ops(&self) -> &engine::backend::Ops {
+        panic!("a refused draft model ran");
+    }
+    fn cache_plan(&self) -> engine::cache::CachePlan {
+        panic!("caches planned for a refused draft model");
+    }
+    fn new_caches(
+        &self,
+        _: &engine::cache::CachePlan,
+    ) -> engine::Result<Vec<Box<dyn engine::cache::Cache>>> {
         panic!("caches made for a refused draft model");
     }
     fn forward_rows(
         &self,
         _: &Array,
-        _: &mut [Box<dyn engine::cache::AttentionCache>],
+        _: &mut [Box<dyn engine::cache::Cache>],
         _: engine::models::Phase,
         _: engine::models::Rows,
     ) -> engine::Result<Array> {
@@ -234,7 +270,7 @@ fn a_target_without_a_port_or_with_another_vocabulary_is_refused_up_front() {
     // The refusal's message; the target's caches stay untouched.
     let refusal = |target: &dyn Model, method: &mut dyn DraftMethod| -> String {
         let mut caches =
-            if target.vocab_size() == 512 { model.new_caches().unwrap() } else { Vec::new() };
+            if target.vocab_size() == 512 { model.fresh_caches().unwrap() } else { Vec::new() };
         let err = speculative::generate(
             target,
             &mut caches,
@@ -309,7 +345,8 @@ impl DraftMethod for Recorded {
 }
 
 fn assistant() -> Gemma4Assistant {
-    Gemma4Assistant::load(golden("assistant/assistant")).unwrap()
+    let dir = engine::checkpoint::ModelDir::open(golden("assistant/assistant")).unwrap();
+    Gemma4Assistant::from_dir(&dir, &engine::LoadOptions::default()).unwrap()
 }
 
 fn int_rows(value: &serde_json::Value) -> Vec<Vec<u32>> {
@@ -338,7 +375,9 @@ fn the_assistant_drafts_what_mlx_vlm_drafts_every_round() {
     let golden_json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(golden("assistant/golden.json")).unwrap())
             .unwrap();
-    let target = models::load(golden("assistant/target")).unwrap();
+    let target =
+        engine::registry::load_model(golden("assistant/target"), &engine::LoadOptions::default())
+            .unwrap();
     let prompt = ints(&golden_json["prompt"]);
     let greedy = ints(&golden_json["greedy"]);
     let request = GenerateRequest::new(prompt.clone(), greedy.len());
@@ -441,7 +480,7 @@ fn failing_drafts_back_off_to_plain_decoding_and_stop_where_it_stops() {
         // Stopped by the callback in the middle of a plain run: the caches end where plain
         // decoding's would.
         for stop_at in [7, 30, 61] {
-            let mut caches = model.new_caches().unwrap();
+            let mut caches = model.fresh_caches().unwrap();
             let mut seen = 0;
             let got = speculative::generate(
                 model.as_ref(),
@@ -455,6 +494,7 @@ fn failing_drafts_back_off_to_plain_decoding_and_stop_where_it_stops() {
                     if seen == stop_at { Flow::Stop } else { Flow::Continue }
                 },
             )
+            .map(Speculated::from)
             .unwrap();
             assert_eq!(got.tokens, want.tokens[..stop_at]);
             let held = caches[0].offset();
@@ -477,11 +517,12 @@ fn a_draft_model_computes_only_what_its_caches_lack_across_turns_and_restarts() 
         speculative::generate(model.as_ref(), caches, earlier, &request, draft, length, |_| {
             Flow::Continue
         })
+        .map(Speculated::from)
         .unwrap()
     };
     // Turn 1: the draft model computes the whole prompt.
-    let mut draft = DraftModel::load(&draft_dir).unwrap();
-    let mut caches = model.new_caches().unwrap();
+    let mut draft = draft_model(&draft_dir);
+    let mut caches = model.fresh_caches().unwrap();
     let first = run(&mut draft, &mut caches, &[], text_prompt());
     assert_eq!(first.spec.as_ref().unwrap().context_computed, text_prompt().len());
     // Turn 2 continues the conversation on the same caches: the draft model computes only
@@ -521,7 +562,7 @@ fn a_draft_model_computes_only_what_its_caches_lack_across_turns_and_restarts() 
     .unwrap();
     assert_eq!(written.attachments.len(), 1);
     assert!(written.attachments[0].tensors.iter().all(|n| n.starts_with("attachment.")));
-    let mut restored = model.new_caches().unwrap();
+    let mut restored = model.fresh_caches().unwrap();
     let contents = kv_file::read(&written.path, &written.sha256, &identity, &mut restored).unwrap();
     assert_eq!(contents.tokens, conversation);
     let [read_back] = &contents.attachments[..] else { panic!("{:?}", contents.attachments) };
@@ -535,7 +576,7 @@ fn a_draft_model_computes_only_what_its_caches_lack_across_turns_and_restarts() 
     let mut whole_third = conversation.clone();
     whole_third.extend_from_slice(&third_prompt);
     let want = plain(model.as_ref(), &GenerateRequest::new(whole_third.clone(), 24));
-    let mut fresh = DraftModel::load(&draft_dir).unwrap();
+    let mut fresh = draft_model(&draft_dir);
     fresh.resume(&contents.attachments, &contents.tokens).unwrap();
     assert_eq!(fresh.held().len(), count);
     let third = run(&mut fresh, &mut restored, &conversation, third_prompt.clone());
@@ -543,10 +584,10 @@ fn a_draft_model_computes_only_what_its_caches_lack_across_turns_and_restarts() 
     assert_eq!(third.spec.as_ref().unwrap().context_computed, whole_third.len() - count);
 
     // Another draft model's attachment is ignored: it computes everything.
-    let mut other = DraftModel::load(golden("gemma4/k_eq_v")).unwrap();
+    let mut other = draft_model(&golden("gemma4/k_eq_v"));
     other.resume(&contents.attachments, &contents.tokens).unwrap();
     assert!(other.held().is_empty());
-    let mut restored = model.new_caches().unwrap();
+    let mut restored = model.fresh_caches().unwrap();
     kv_file::read(&written.path, &written.sha256, &identity, &mut restored).unwrap();
     let again = run(&mut other, &mut restored, &conversation, third_prompt);
     assert_eq!(again.tokens, want.tokens);

@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use engine::generate::{Flow, GenerateRequest, generate, prefill_multimodal};
-use engine::models::gemma4::token_array;
-use engine::models::{self, Model, Phase, Rows};
-use engine::vision::gemma4::preprocess;
+use engine::models::gemma4::processor::preprocess;
+use engine::models::{Model, Phase, Rows};
+use engine::tokens::ids as token_array;
 use engine::vision::image::{decode_rgb, load_rgb};
 use mlx::{Array, Dtype};
 use serde_json::Value;
@@ -158,13 +158,18 @@ fn rescale_is_the_references_float32_table() {
 }
 
 fn dense() -> Box<dyn Model> {
-    models::load(root().join("gemma4/dense")).unwrap()
+    engine::registry::load_model(root().join("gemma4/dense"), &engine::LoadOptions::default())
+        .unwrap()
 }
 
 /// Features of a golden image, through our whole path: decode, preprocess, tower.
 fn features(model: &dyn Model, name: &str, budget: usize) -> Array {
     let rgb = load_rgb(&image_path(name)).unwrap();
-    model.encode_image(&preprocess(&rgb, budget).unwrap().pixels).unwrap()
+    model
+        .vision()
+        .expect("dense has a vision tower")
+        .encode(&preprocess(&rgb, budget).unwrap().pixels)
+        .unwrap()
 }
 
 #[test]
@@ -178,7 +183,11 @@ fn vision_features_match_encode_image() {
     }
     // The 1×1 golden is a constant colour.
     let tiny = ::image::RgbImage::from_pixel(1, 1, ::image::Rgb([200, 100, 50]));
-    let f = model.encode_image(&preprocess(&tiny, 70).unwrap().pixels).unwrap();
+    let f = model
+        .vision()
+        .expect("dense has a vision tower")
+        .encode(&preprocess(&tiny, 70).unwrap().pixels)
+        .unwrap();
     let d = max_diff(&f, &golden["tiny_1x1.features"]);
     assert!(d <= 1e-4, "1×1: {d}");
 }
@@ -200,7 +209,7 @@ fn image_prompts_match_the_reference_full_incremental_and_greedy() {
         let want = &golden[&format!("{prompt}.logits")];
         let images = prompt_images(model.as_ref(), prompt);
         let t = tokens.len() as i32;
-        let mut caches = model.new_caches().unwrap();
+        let mut caches = model.fresh_caches().unwrap();
         let full = model
             .forward_multimodal(&tokens, &images, &mut caches, Rows::All)
             .unwrap()
@@ -209,13 +218,13 @@ fn image_prompts_match_the_reference_full_incremental_and_greedy() {
         let d = max_diff(&full, want);
         assert!(d <= 1e-4, "{prompt}: one window differs by {d}");
         // Chunked prefill in small chunks: blocks stay whole, the overlay holds at offset > 0.
-        let mut caches = model.new_caches().unwrap();
+        let mut caches = model.fresh_caches().unwrap();
         let last = prefill_multimodal(model.as_ref(), &mut caches, &tokens, &images, 5).unwrap();
         let want_last = want.slice(&[t - 1, 0], &[t, 512], &[1, 1]).unwrap();
         assert!(max_diff(&last, &want_last) <= 1e-4, "{prompt}: chunked prefill");
         let request =
             GenerateRequest { images: images.clone(), ..GenerateRequest::new(tokens.clone(), 32) };
-        let mut caches = model.new_caches().unwrap();
+        let mut caches = model.fresh_caches().unwrap();
         let reply = generate(model.as_ref(), &mut caches, &request, |_| Flow::Continue).unwrap();
         assert_eq!(reply.tokens, ids(&golden[&format!("{prompt}.greedy")]), "{prompt}: greedy");
     }
@@ -230,7 +239,7 @@ fn an_image_in_a_later_turn_reads_like_the_one_shot_prompt() {
     let split = meta["prompts"]["later_turn"]["image_turn_start"].as_u64().unwrap() as usize;
     let want = &golden["later_turn.logits"];
     let images = prompt_images(model.as_ref(), "later_turn");
-    let mut caches = model.new_caches().unwrap();
+    let mut caches = model.fresh_caches().unwrap();
     // First turn and reply cached, then the image turn appended.
     let first = model
         .forward_rows(

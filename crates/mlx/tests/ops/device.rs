@@ -11,12 +11,9 @@ fn backend_and_default_device_agree() {
     assert_eq!(Backend::current() != Backend::Cpu, gpu, "a GPU backend has a GPU");
     let expected = if gpu { Device::Gpu } else { Device::Cpu };
     assert_eq!(Device::default_device().unwrap(), expected, "GPU by default when present");
-    Device::Cpu.set_default().unwrap();
-    assert_eq!(Device::default_device().unwrap(), Device::Cpu);
     assert!(Device::Cpu.memory_size().unwrap().unwrap_or(0) > 1 << 30, "host RAM is known");
     if !gpu {
         assert!(!Backend::current().custom_kernels_available());
-        assert!(Device::Gpu.set_default().is_err(), "no GPU to switch to");
     }
 }
 
@@ -34,14 +31,7 @@ fn memory_accounting_follows_allocations() {
     assert!(after < during, "freed: {during} -> {after}");
     memory::clear_cache().unwrap();
     assert_eq!(memory::cache().unwrap(), 0, "clear_cache empties the reuse cache");
-
-    let original = memory::limit().unwrap();
-    let previous = memory::set_limit(1 << 30).unwrap();
-    assert_eq!(previous, original);
-    assert_eq!(memory::limit().unwrap(), 1 << 30);
-    memory::set_limit(original).unwrap();
-    memory::set_cache_limit(0).unwrap();
-    memory::set_wired_limit(0).unwrap();
+    assert!(memory::limit().unwrap() > 0, "the allocator has a limit");
     device::synchronize().unwrap();
 }
 

@@ -1,5 +1,5 @@
 //! The Gemma 4 assistant drafter (`gemma4_assistant` checkpoints), after mlx-vlm 0.7.10
-//! `speculative/drafters/gemma4_assistant` and `shared/reference/engine.md` §3.
+//! `speculative/drafters/gemma4_assistant`.
 //!
 //! A few Gemma 4 decoder layers with queries only: they attend the target's own keys and
 //! values (the cache the target's last layer of each type reads), so the assistant keeps no
@@ -13,18 +13,19 @@
 //! position; later rounds take it at the verify row that produced the round's bonus token.
 //! Every draft is greedy (acceptance compares it with the target's own pick).
 
-use std::path::Path;
-
 use mlx::{Array, Dtype, ops};
 use serde::Deserialize;
 
-use super::{DraftMethod, Target, TargetPort};
-use crate::cache::{AttentionRead, ReadMask};
+use super::attention::{Append, Context, Position, Rope};
+use super::config::Gemma4TextConfig;
+use super::layer::{DecoderLayer, load_layer};
+use crate::backend::Ops;
 use crate::checkpoint::ModelDir;
 use crate::error::{Error, Result};
-use crate::models::Model;
-use crate::models::gemma4::{Append, DecoderLayer, Gemma4TextConfig, Position, Rope, load_layer};
+use crate::models::{Model, TargetPort, target_lacks};
 use crate::nn::{Activations, Embedding, Linear, RmsNorm};
+use crate::options::LoadOptions;
+use crate::speculative::{DraftMethod, Target};
 
 /// The top level of a `gemma4_assistant` config.
 #[derive(Debug, Clone, Deserialize)]
@@ -83,12 +84,14 @@ pub struct Gemma4Assistant {
     activations: Activations,
     /// The target hidden state the next round starts from (`[1, 1, H_target]`).
     hidden: Option<Array>,
+    ops: Ops,
 }
 
 impl Gemma4Assistant {
-    /// Loads a `gemma4_assistant` checkpoint directory.
-    pub fn load(path: impl AsRef<Path>) -> Result<Gemma4Assistant> {
-        let dir = ModelDir::open(path)?;
+    /// Builds the drafter from an opened `gemma4_assistant` checkpoint directory.
+    pub fn from_dir(dir: &ModelDir, options: &LoadOptions) -> Result<Gemma4Assistant> {
+        let ops = Ops::new(&options.kernels);
+        let stack = options.stacks_projections(ops.has_kernels());
         let model_type = dir.config.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
         if model_type != "gemma4_assistant" {
             return Err(Error::Unsupported {
@@ -123,7 +126,7 @@ impl Gemma4Assistant {
         let hidden = c.hidden_size;
         let embed_tokens = Embedding::new(w.matrix("embed_tokens", c.vocab_size, hidden)?);
         let layers = (0..c.num_hidden_layers)
-            .map(|i| load_layer(&w, c, i, true))
+            .map(|i| load_layer(&w, c, i, true, stack))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(w.get("norm.weight", &[hidden])?, c.rms_norm_eps);
         let backbone = config.backbone_hidden_size;
@@ -190,6 +193,7 @@ impl Gemma4Assistant {
             rope_sliding,
             rope_full,
             hidden: None,
+            ops,
         })
     }
 
@@ -202,13 +206,13 @@ impl Gemma4Assistant {
     fn pick(&self, h: &Array) -> Result<Array> {
         let Some(head) = &self.masked else {
             let logits = match &self.lm_head {
-                Some(lm_head) => lm_head.forward(h)?,
-                None => self.embed_tokens.as_linear(h)?,
+                Some(lm_head) => lm_head.forward(h, &self.ops)?,
+                None => self.embed_tokens.as_linear(h, &self.ops)?,
             };
             return Ok(logits.reshape(&[1, -1])?.argmax(-1, false)?);
         };
         // The top-k clusters by centroid score, their tokens, and those tokens' logits.
-        let scores = head.centroids.forward(h)?.reshape(&[head.clusters])?;
+        let scores = head.centroids.forward(h, &self.ops)?.reshape(&[head.clusters])?;
         let kth = head.clusters - head.top_k;
         let top = scores.argpartition(kth, -1)?.slice(&[kth], &[head.clusters], &[1])?;
         let candidates = head.ordering.take(&top, 0)?.reshape(&[-1])?; // [top_k · V/C]
@@ -230,9 +234,8 @@ impl DraftMethod for Gemma4Assistant {
     }
 
     fn bind(&mut self, target: &dyn Model) -> Result<()> {
-        let rows = target
-            .assistant_rows()
-            .ok_or_else(|| super::target_lacks(TargetPort::AssistantRows))?;
+        let rows =
+            target.assistant_rows().ok_or_else(|| target_lacks(TargetPort::AssistantRows))?;
         let refuse = |message: String| Err(Error::InvalidRequest(message));
         if rows.hidden_size() != self.config.backbone_hidden_size as usize {
             return refuse(format!(
@@ -272,31 +275,27 @@ impl DraftMethod for Gemma4Assistant {
     }
 
     fn propose(&mut self, target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>> {
-        let rows = target
-            .model
-            .assistant_rows()
-            .ok_or_else(|| super::target_lacks(TargetPort::AssistantRows))?;
+        let rows =
+            target.model.assistant_rows().ok_or_else(|| target_lacks(TargetPort::AssistantRows))?;
         let (Some(&bonus), Some(hidden)) = (context.last(), self.hidden.clone()) else {
             return Ok(Vec::new());
         };
-        let held = target.caches.first().map_or(0, |c| c.offset());
+        let held = crate::cache::stack_offset(target.caches);
         if max == 0 || held == 0 {
             return Ok(Vec::new());
         }
         // The query stays at the last position the target's caches hold (mlx-vlm's choice).
-        let position = Position::At(held as i32 - 1);
-        let donors = rows.donor_kv(target.caches)?;
-        let read = |kv: &Option<super::KeyValues>| {
-            kv.as_ref().map(|(k, v)| AttentionRead::new(k.clone(), v.clone(), ReadMask::None))
-        };
-        let (sliding, full) = (read(&donors.sliding), read(&donors.full));
+        let position = Position::at(held as i32 - 1);
+        let donors = rows.donor_reads(target.caches)?;
+        let (sliding, full) = (donors.sliding, donors.full);
+        let ops = &self.ops;
         let mut token = Array::from_slice(&[bonus], &[1])?;
         let mut h_prev = hidden;
         let mut drafts = Vec::with_capacity(max);
         for _ in 0..max {
             let embedded = rows.embed(&token.reshape(&[1, 1])?)?;
             let x = ops::concatenate(&[&embedded, &h_prev.astype(embedded.dtype())?], -1)?;
-            let mut h = self.pre_projection.forward(&x)?;
+            let mut h = self.pre_projection.forward(&x, ops)?;
             for layer in &self.layers {
                 let (kv, rope) = if layer.attention.sliding {
                     (sliding.as_ref(), &self.rope_sliding)
@@ -309,19 +308,19 @@ impl DraftMethod for Gemma4Assistant {
                     )
                 })?;
                 let normed = layer.input_layernorm.forward(&h)?;
-                let (attn, _) = layer.attention.forward(
-                    &normed,
-                    1,
+                let context = Context {
                     rope,
-                    &position,
-                    None,
-                    Some(kv),
-                    &Append::Decode,
-                )?;
-                (h, _) = layer.finish(h, &attn, None, &self.activations, None)?;
+                    position: &position,
+                    cache: None,
+                    shared: Some(kv),
+                    append: &Append::Decode,
+                    ops,
+                };
+                let (attn, _) = layer.attention.forward(&normed, 1, context)?;
+                (h, _) = layer.finish(h, &attn, None, &self.activations, None, ops)?;
             }
             let h = self.norm.forward(&h)?;
-            h_prev = self.post_projection.forward(&h)?;
+            h_prev = self.post_projection.forward(&h, ops)?;
             token = self.pick(&h)?;
             drafts.push(token.clone());
         }
@@ -338,10 +337,8 @@ impl Gemma4Assistant {
     /// Takes the target's final-normed hidden state at row `row` of its last forward pass
     /// (the last row when `None`).
     fn settle_at(&mut self, target: Target<'_>, row: Option<usize>) -> Result<()> {
-        let rows = target
-            .model
-            .assistant_rows()
-            .ok_or_else(|| super::target_lacks(TargetPort::AssistantRows))?;
+        let rows =
+            target.model.assistant_rows().ok_or_else(|| target_lacks(TargetPort::AssistantRows))?;
         let hidden = rows.last_hidden().ok_or_else(|| {
             Error::InvalidRequest("the target has run no forward pass to draft from".into())
         })?;

@@ -1,5 +1,4 @@
-//! Gemma 4's vision tower and its projection into the text model (`shared/reference/engine.md`
-//! §2.3). Ported from mlx-vlm 0.7.10 `models/gemma4/vision.py` and `gemma4.py`
+//! Gemma 4's vision tower and its projection into the text model. Ported from mlx-vlm 0.7.10 `models/gemma4/vision.py` and `gemma4.py`
 //! (`MultimodalEmbedder`).
 //!
 //! Patches of 16×16 pixels are embedded with learned x/y position tables, run through
@@ -9,6 +8,7 @@
 use mlx::{Array, Dtype, ops};
 use serde::Deserialize;
 
+use crate::backend::Ops;
 use crate::checkpoint::{Matrix, Weights};
 use crate::error::{Error, Result};
 use crate::nn::{Linear, RmsNorm};
@@ -77,13 +77,13 @@ impl ClippedLinear {
         Ok(ClippedLinear { linear, bounds })
     }
 
-    fn forward(&self, x: &Array) -> Result<Array> {
+    fn forward(&self, x: &Array, ops: &Ops) -> Result<Array> {
         match &self.bounds {
             Some([imin, imax, omin, omax]) => {
-                let y = self.linear.forward(&x.clip(imin, imax)?)?;
+                let y = self.linear.forward(&x.clip(imin, imax)?, ops)?;
                 Ok(y.clip(omin, omax)?)
             }
-            None => self.linear.forward(x),
+            None => self.linear.forward(x, ops),
         }
     }
 }
@@ -116,6 +116,7 @@ pub struct Gemma4Vision {
     projection: Linear,
     projection_norm: RmsNorm,
     theta: f32,
+    ops: Ops,
 }
 
 impl Gemma4Vision {
@@ -125,6 +126,7 @@ impl Gemma4Vision {
         root: &Weights<'_>,
         config: VisionConfig,
         text_hidden: i32,
+        ops: &Ops,
     ) -> Result<Gemma4Vision> {
         let c = &config;
         let hv = c.hidden_size;
@@ -208,6 +210,7 @@ impl Gemma4Vision {
             standardize,
             projection,
             theta,
+            ops: ops.clone(),
         })
     }
 
@@ -233,7 +236,8 @@ impl Gemma4Vision {
             .reshape(&[1, n, 3 * p * p])?;
         let patches =
             patches.subtract(&Array::scalar(0.5f32)?)?.multiply(&Array::scalar(2.0f32)?)?;
-        let mut h = self.input_proj.forward(&patches.astype(dtype)?)?;
+        let ops = &self.ops;
+        let mut h = self.input_proj.forward(&patches.astype(dtype)?, ops)?;
         // Positions: x = column, y = row, row-major.
         let xs: Vec<i32> = (0..n).map(|i| i % pw).collect();
         let ys: Vec<i32> = (0..n).map(|i| i / pw).collect();
@@ -258,8 +262,9 @@ impl Gemma4Vision {
             let attn = self.attention(block, &normed, n, [&cos_x, &sin_x, &cos_y, &sin_y])?;
             h = h.add(&block.post_attention_layernorm.forward(&attn)?)?;
             let x = block.pre_feedforward_layernorm.forward(&h)?;
-            let gate = block.gate_proj.forward(&x)?.gelu_approx()?;
-            let ff = block.down_proj.forward(&gate.multiply(&block.up_proj.forward(&x)?)?)?;
+            let gate = block.gate_proj.forward(&x, ops)?.gelu_approx()?;
+            let up = block.up_proj.forward(&x, ops)?;
+            let ff = block.down_proj.forward(&gate.multiply(&up)?, ops)?;
             h = h.add(&block.post_feedforward_layernorm.forward(&ff)?)?;
         }
         // 3×3 average pooling as a one-hot matmul (the reference's arithmetic), then × √Hv.
@@ -276,7 +281,7 @@ impl Gemma4Vision {
         if let Some((bias, scale)) = &self.standardize {
             pooled = pooled.subtract(bias)?.multiply(scale)?;
         }
-        let projected = self.projection.forward(&self.projection_norm.forward(&pooled)?)?;
+        let projected = self.projection.forward(&self.projection_norm.forward(&pooled)?, ops)?;
         Ok(projected.squeeze(&[0])?)
     }
 
@@ -308,9 +313,10 @@ impl Gemma4Vision {
     fn attention(&self, block: &Block, x: &Array, n: i32, rope: [&Array; 4]) -> Result<Array> {
         let c = &self.config;
         let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let q = block.q_proj.forward(x)?.reshape(&[1, n, heads, d])?;
-        let k = block.k_proj.forward(x)?.reshape(&[1, n, kv_heads, d])?;
-        let v = block.v_proj.forward(x)?.reshape(&[1, n, kv_heads, d])?;
+        let ops = &self.ops;
+        let q = block.q_proj.forward(x, ops)?.reshape(&[1, n, heads, d])?;
+        let k = block.k_proj.forward(x, ops)?.reshape(&[1, n, kv_heads, d])?;
+        let v = block.v_proj.forward(x, ops)?.reshape(&[1, n, kv_heads, d])?;
         let q = rope_2d(&f32_norm(&q, Some(&block.q_norm), c.rms_norm_eps)?, rope)?
             .transpose(&[0, 2, 1, 3])?;
         let k = rope_2d(&f32_norm(&k, Some(&block.k_norm), c.rms_norm_eps)?, rope)?
@@ -326,7 +332,7 @@ impl Gemma4Vision {
             None,
         )?;
         let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[1, n, heads * d])?;
-        block.o_proj.forward(&out)
+        block.o_proj.forward(&out, ops)
     }
 }
 

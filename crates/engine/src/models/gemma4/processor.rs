@@ -1,12 +1,16 @@
-//! Gemma 4's image preprocessing (`shared/reference/engine.md` §2.2): an aspect-preserving
-//! resize to the largest size whose 48-px multiples fit the patch budget, PIL bicubic, values
-//! scaled to [0, 1] (the model itself maps them to [−1, 1]).
+//! Gemma 4's images: mlx-vlm 0.7.10's preprocessing (an aspect-preserving resize to the largest
+//! size whose 48-px multiples fit the patch budget, PIL bicubic, values scaled to [0, 1]; the
+//! tower maps them to [−1, 1]), the image block `boi, image × n, eoi`, and the tower, as the
+//! [`Vision`] port.
 
 use ::image::RgbImage;
 use mlx::Array;
+use serde_json::Value;
 
-use super::image::resize_bicubic;
+use super::vision::Gemma4Vision;
 use crate::error::{Error, Result};
+use crate::vision::image::resize_bicubic;
+use crate::vision::{PreparedImage, Vision};
 
 /// Soft-token budgets Gemma 4 supports per image.
 pub const SOFT_TOKEN_BUDGETS: [usize; 5] = [70, 140, 280, 560, 1120];
@@ -15,21 +19,6 @@ pub const SOFT_TOKEN_BUDGETS: [usize; 5] = [70, 140, 280, 560, 1120];
 pub const PATCH: u32 = 16;
 /// Pooling kernel side: 3×3 patches make one soft token.
 pub const POOL: u32 = 3;
-
-/// An image ready for the vision tower.
-#[derive(Debug)]
-pub struct PreparedImage {
-    /// `[3, H, W]` float32 in [0, 1], channel-first.
-    pub pixels: Array,
-    /// Resized height.
-    pub height: u32,
-    /// Resized width.
-    pub width: u32,
-    /// Soft tokens the image becomes: (H / 48) · (W / 48).
-    pub soft_tokens: usize,
-    /// The resized 8-bit image the pixels were made from.
-    pub resized: RgbImage,
-}
 
 /// The resized size for an image of `width × height` under `max_soft_tokens`.
 pub fn target_size(width: u32, height: u32, max_soft_tokens: usize) -> (u32, u32) {
@@ -56,7 +45,7 @@ pub fn target_size(width: u32, height: u32, max_soft_tokens: usize) -> (u32, u32
 }
 
 /// Resizes and scales `image` for a budget of `max_soft_tokens` (one of
-/// [`SOFT_TOKEN_BUDGETS`]).
+/// [`SOFT_TOKEN_BUDGETS`]), as mlx-vlm does.
 pub fn preprocess(image: &RgbImage, max_soft_tokens: usize) -> Result<PreparedImage> {
     if !SOFT_TOKEN_BUDGETS.contains(&max_soft_tokens) {
         return Err(Error::InvalidRequest(format!(
@@ -106,6 +95,63 @@ pub fn expand_image_tokens(
         )));
     }
     Ok(out)
+}
+
+/// The vision tower with the checkpoint's image token ids.
+#[derive(Debug)]
+pub(crate) struct Gemma4Images {
+    tower: Gemma4Vision,
+    image: u32,
+    boi: u32,
+    eoi: u32,
+}
+
+impl Gemma4Images {
+    /// The tower, with the ids the top-level config names (`image_token_id`, `boi_token_id`,
+    /// `eoi_token_id`).
+    pub(crate) fn new(tower: Gemma4Vision, config: &Value) -> Result<Gemma4Images> {
+        let id = |key: &str| {
+            config.get(key).and_then(Value::as_u64).map(|v| v as u32).ok_or_else(|| Error::Config {
+                file: "config.json".into(),
+                message: format!("a checkpoint with a vision tower needs `{key}`"),
+            })
+        };
+        Ok(Gemma4Images {
+            tower,
+            image: id("image_token_id")?,
+            boi: id("boi_token_id")?,
+            eoi: id("eoi_token_id")?,
+        })
+    }
+}
+
+impl Vision for Gemma4Images {
+    fn budgets(&self) -> &[usize] {
+        &SOFT_TOKEN_BUDGETS
+    }
+
+    fn prepare(&self, image: &RgbImage, max_soft_tokens: usize) -> Result<PreparedImage> {
+        preprocess(image, max_soft_tokens)
+    }
+
+    fn encode(&self, pixels: &Array) -> Result<Array> {
+        self.tower.encode(pixels)
+    }
+
+    fn image_token(&self) -> u32 {
+        self.image
+    }
+
+    fn image_block(&self, soft_tokens: usize) -> Vec<u32> {
+        let mut block = vec![self.boi];
+        block.extend(std::iter::repeat_n(self.image, soft_tokens));
+        block.push(self.eoi);
+        block
+    }
+
+    fn expand(&self, tokens: &[u32], soft_tokens: &[usize]) -> Result<Vec<u32>> {
+        expand_image_tokens(tokens, self.image, self.boi, self.eoi, soft_tokens)
+    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,10 @@
-//! The fused decode kernels (`engine::fused`) against the MLX ops they replace. The kernels
+//! Quince's kernels (`engine::backend`, CUDA) against the MLX ops they replace. The kernels
 //! run only on MLX's CUDA backend: there (the engine test binary sent to the H200 with the
 //! device tool) these tests compare kernel and ops and check that the kernels ran; on any
-//! other backend they check that every function takes the MLX route and gives its numbers.
+//! other backend they check that the kernel set is empty and the MLX route gives its numbers.
 
-use engine::fused::{self, Heads, HeadsLayout, RopeSpec};
+use engine::KernelOptions;
+use engine::backend::{Heads, HeadsLayout, Ops, RopeSpec, mlx as routes};
 use engine::nn::{Activations, RmsNorm};
 use mlx::{Array, Dtype, random};
 
@@ -38,14 +39,24 @@ fn cuda() -> bool {
     mlx::Backend::current() == mlx::Backend::Cuda
 }
 
-/// Runs `f` with the kernels on and then off (MLX ops).
-fn on_and_off<T>(f: impl Fn() -> T) -> (T, T) {
-    fused::set_decode_fusion(true);
-    let on = f();
-    fused::set_decode_fusion(false);
-    let off = f();
-    fused::set_decode_fusion(true);
-    (on, off)
+/// The backend's kernels, as a model loads them by default.
+fn kernels() -> Ops {
+    Ops::new(&KernelOptions::default())
+}
+
+/// Runs `f` with the backend's kernels `ops` and then with MLX's ops.
+fn on_and_off<T>(ops: &Ops, f: impl Fn(&Ops) -> T) -> (T, T) {
+    (f(ops), f(&Ops::mlx()))
+}
+
+/// Checks that `kernel` ran on CUDA, and that nothing of Quince's exists elsewhere.
+fn assert_ran(ops: &Ops, kernel: &str) {
+    let used = ops.kernels_in_use();
+    if cuda() {
+        assert!(used.contains(&kernel), "{kernel} did not run ({used:?})");
+    } else {
+        assert!(!ops.has_kernels() && used.is_empty(), "no kernel of Quince's off CUDA");
+    }
 }
 
 /// RMS norm over the last axis in f32 from plain ops (`x · rsqrt(mean(x²) + eps) · w`): a
@@ -68,6 +79,7 @@ fn assert_near_reference(got: &Array, reference: &Array, what: &str) {
 
 #[test]
 fn residual_norm_equals_its_mlx_ops() {
+    let ops = kernels();
     for dtype in [Dtype::Float32, Dtype::Bfloat16] {
         for (rows, d) in [(1, 2560), (3, 320), (2, 64)] {
             let h = normal(&[rows, 1, d], 1, dtype);
@@ -83,7 +95,7 @@ fn residual_norm_equals_its_mlx_ops() {
                         next.is_some()
                     );
                     let (on, off) =
-                        on_and_off(|| fused::residual_norm(&h, &x, &a, scale, next).unwrap());
+                        on_and_off(&ops, |ops| ops.residual_norm(&h, &x, &a, scale, next).unwrap());
                     assert_close(&on.0, &off.0, &format!("{what}: sum"));
                     let mut sum = f32(&h).add(&plain_norm(&x, a.weight().unwrap())).unwrap();
                     if let Some(s) = scale {
@@ -102,21 +114,21 @@ fn residual_norm_equals_its_mlx_ops() {
             }
         }
     }
-    if cuda() {
-        assert!(fused::kernels_in_use().contains(&"quince_residual_norm"));
-    }
+    assert_ran(&ops, "quince_residual_norm");
 }
 
 #[test]
 fn geglu_kernels_equal_their_mlx_ops() {
+    let ops = kernels();
     let act = Activations::new().unwrap();
     let one = Array::scalar(1i32).unwrap();
     for dtype in [Dtype::Float32, Dtype::Bfloat16] {
         for (rows, w) in [(1, 10240), (2, 1000)] {
             let joined = normal(&[rows, 1, 2 * w], 5, dtype).multiply_scalar(2.0).unwrap();
-            let halves = fused::split_last(&joined, &[w, w], &[]).unwrap();
+            let halves = routes::split_last(&joined, &[w, w]).unwrap();
             let want = act.geglu(&halves[0], &halves[1]).unwrap();
-            match fused::geglu_halves(&joined, &one).unwrap() {
+            assert!(Ops::mlx().geglu_halves(&joined, &one).unwrap().is_none(), "MLX: no kernel");
+            match ops.geglu_halves(&joined, &one).unwrap() {
                 Some(got) => assert_close(&got, &want, &format!("halves {dtype:?} {rows}×{w}")),
                 None => assert!(!cuda(), "the GEGLU kernel refused {dtype:?} {rows}×{w} on CUDA"),
             }
@@ -127,17 +139,16 @@ fn geglu_kernels_equal_their_mlx_ops() {
         for layer in [0, 3, layers - 1] {
             let index = Array::scalar(layer).unwrap();
             let (on, off) =
-                on_and_off(|| fused::geglu_at(&gate, &inputs, layer, &index, &act).unwrap());
+                on_and_off(&ops, |ops| ops.geglu_at(&gate, &inputs, layer, &index, &act).unwrap());
             assert_close(&on, &off, &format!("layer {layer} {dtype:?}"));
         }
     }
-    if cuda() {
-        assert!(fused::kernels_in_use().contains(&"quince_geglu"));
-    }
+    assert_ran(&ops, "quince_geglu");
 }
 
 #[test]
 fn decode_heads_equal_their_mlx_ops() {
+    let ops = kernels();
     // Gemma 4 E4B's shapes: sliding heads of 256 (8 query, 2 key-value), full heads of 512
     // with values from the raw keys, and a KV-shared layer (queries only).
     let cases = [(256, 8, 2, 10), (512, 8, 1, 8), (256, 8, 0, 8)];
@@ -167,14 +178,10 @@ fn decode_heads_equal_their_mlx_ops() {
                         "{dtype:?} {q_heads}/{kv_heads} heads of {d}, traditional {traditional}, position {position}"
                     );
                     let want: Heads =
-                        fused::decode_heads_by_ops(&proj, &layout, &rope, position).unwrap();
-                    let got = fused::decode_heads(
-                        &proj,
-                        &layout,
-                        &rope,
-                        &Array::scalar(position).unwrap(),
-                    )
-                    .unwrap();
+                        routes::decode_heads(&proj, &layout, &rope, position).unwrap();
+                    let got = ops
+                        .decode_heads(&proj, &layout, &rope, &Array::scalar(position).unwrap())
+                        .unwrap();
                     let Some(got) = got else {
                         assert!(!cuda(), "{what}: the kernel refused the inputs on CUDA");
                         continue;
@@ -189,18 +196,17 @@ fn decode_heads_equal_their_mlx_ops() {
             }
         }
     }
-    if cuda() {
-        assert!(fused::kernels_in_use().contains(&"quince_decode_heads"));
-    }
+    assert_ran(&ops, "quince_decode_heads");
 }
 
 /// The 4-bit matrix-vector kernel against MLX's product on E4B's shapes (o_proj and the
 /// k/v projection), one row and four, and through `Linear` as a decode step calls it. On
 /// CUDA the kernel must run and agree within bf16 rounding of the largest output (it sums in
-/// its own order); elsewhere it never runs, switched on or not.
+/// its own order); shapes it does not take, and a kernel set without it, give MLX's product
+/// bit for bit.
 #[test]
 fn four_bit_kernel_matches_mlx_products() {
-    fused::set_quantized_kernel(true);
+    let ops = kernels();
     for (n, k) in [(2560, 2048), (512, 2560)] {
         let w = normal(&[n, k], 40, Dtype::Bfloat16).multiply_scalar(0.02).unwrap();
         let q = mlx::quantized::quantize(&w, 64, 4).unwrap();
@@ -208,35 +214,30 @@ fn four_bit_kernel_matches_mlx_products() {
         for rows in [1, 4] {
             let x = normal(&[1, rows, k], 41, Dtype::Bfloat16);
             let want = q.matmul(&x, true).unwrap();
-            let got = fused::quantized_matvec(&x, &q).unwrap();
-            assert_eq!(
-                got.is_some(),
-                cuda(),
-                "the kernel runs exactly on CUDA (in use: {:?})",
-                fused::kernels_in_use()
-            );
-            let through_linear = linear.forward(&x).unwrap();
-            for got in got.iter().chain([&through_linear]) {
+            for got in [ops.quantized_matmul(&x, &q).unwrap(), linear.forward(&x, &ops).unwrap()] {
                 assert_eq!(got.shape(), vec![1, rows, n]);
                 let scale = max_abs(&want);
-                let diff = max_abs(&f32(got).subtract(&f32(&want)).unwrap());
+                let diff = max_abs(&f32(&got).subtract(&f32(&want)).unwrap());
                 assert!(diff <= 1e-2 * scale, "{n}x{k}, {rows} rows: {diff} > 1e-2 · {scale}");
             }
         }
     }
+    assert_ran(&ops, "quince_qmv4");
+    let exactly_mlx = |ops: &Ops, x: &Array, q: &mlx::quantized::QuantizedMatrix| {
+        let got = ops.quantized_matmul(x, q).unwrap();
+        assert!(
+            got.array_equal(&q.matmul(x, true).unwrap(), false).unwrap().item::<bool>().unwrap()
+        );
+    };
     // Shapes it does not take (a width that is no multiple of 512, 8 rows) go to MLX.
     let q = mlx::quantized::quantize(&normal(&[64, 640], 42, Dtype::Bfloat16), 64, 4).unwrap();
-    assert!(
-        fused::quantized_matvec(&normal(&[1, 640], 43, Dtype::Bfloat16), &q).unwrap().is_none()
-    );
+    exactly_mlx(&ops, &normal(&[1, 640], 43, Dtype::Bfloat16), &q);
     let q = mlx::quantized::quantize(&normal(&[64, 512], 44, Dtype::Bfloat16), 64, 4).unwrap();
-    assert!(
-        fused::quantized_matvec(&normal(&[8, 512], 45, Dtype::Bfloat16), &q).unwrap().is_none()
-    );
+    exactly_mlx(&ops, &normal(&[8, 512], 45, Dtype::Bfloat16), &q);
     // Switched off, it never runs.
-    fused::set_quantized_kernel(false);
+    let without = Ops::new(&KernelOptions { quantized_matvec: false, ..KernelOptions::default() });
     let x = normal(&[1, 1, 2048], 46, Dtype::Bfloat16);
     let q = mlx::quantized::quantize(&normal(&[64, 2048], 47, Dtype::Bfloat16), 64, 4).unwrap();
-    assert!(fused::quantized_matvec(&x, &q).unwrap().is_none());
-    fused::set_quantized_kernel(true);
+    exactly_mlx(&without, &x, &q);
+    assert!(!without.kernels_in_use().contains(&"quince_qmv4"));
 }

@@ -12,14 +12,15 @@
 use std::time::Instant;
 
 use anyhow::bail;
-use engine::cache::AttentionCache;
+use engine::cache::Cache;
 use engine::generate::{Flow, GenerateRequest, generate};
 use engine::models::{Model, Phase};
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::{self, DraftLength, DraftMethod, Target};
 use serde_json::json;
 
-use crate::run::{load, synthetic_prompt};
+use crate::bench::synthetic_prompt;
+use crate::options::LoadArgs;
 
 /// Arguments of `quince bench-spec`.
 #[derive(Debug, clap::Args)]
@@ -42,6 +43,8 @@ pub struct Args {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    load: LoadArgs,
 }
 
 /// Drafts that are never the target's pick: the token after the bonus, each time (the target
@@ -79,7 +82,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// to `keep` of its tokens (0: every run sees the same key length).
 fn step_ms(
     model: &dyn Model,
-    caches: &mut [Box<dyn AttentionCache>],
+    caches: &mut [Box<dyn Cache>],
     length: usize,
     repeats: usize,
     keep: usize,
@@ -89,7 +92,7 @@ fn step_ms(
     for r in 0..repeats + 2 {
         let tokens: Vec<u32> =
             (0..length as u32).map(|i| (7 + 31 * (r as u32 + i)) % vocab).collect();
-        let ids = engine::models::gemma4::token_array(&tokens)?;
+        let ids = engine::tokens::ids(&tokens)?;
         let phase = if length == 1 { Phase::Decode } else { Phase::Window };
         let start = Instant::now();
         // Inside a round, so that the rollback leaves the prompt alone for the next run.
@@ -114,11 +117,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens < 2 || args.num_draft == 0 {
         bail!("--prompt-tokens and --num-draft must be positive, --gen-tokens at least 2");
     }
-    let model = load(&args.model)?;
+    let options = args.load.options();
+    let model = engine::registry::load_model(&args.model, &options)?;
     let prompt = synthetic_prompt(args.prompt_tokens, model.vocab_size() as u32);
 
     // Verify windows against one decode step, over the same prefilled prompt.
-    let mut caches = model.new_caches()?;
+    let mut caches = model.fresh_caches()?;
     engine::generate::prefill(model.as_ref(), &mut caches, &prompt, 512)?;
     let decode = step_ms(model.as_ref(), &mut caches, 1, args.repeats, 0)?;
     let mut windows = Vec::new();
@@ -132,19 +136,19 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     // Speed: plain, speculating for nothing, and the model drafting for itself.
     let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
     let plain = |model: &dyn Model| -> anyhow::Result<f64> {
-        let mut caches = model.new_caches()?;
+        let mut caches = model.fresh_caches()?;
         Ok(generate(model, &mut caches, &request, |_| Flow::Continue)?.stats.decode_tok_s)
     };
     let spec = |model: &dyn Model, method: &mut dyn DraftMethod, adaptive: bool| {
-        let mut caches = model.new_caches()?;
+        let mut caches = model.fresh_caches()?;
         let length = DraftLength { max: args.num_draft, adaptive };
-        let reply =
+        let (reply, stats) =
             speculative::generate(model, &mut caches, &[], &request, method, length, |_| {
                 Flow::Continue
             })?;
-        anyhow::Ok((reply.stats.decode_tok_s, reply.spec.unwrap_or_default()))
+        anyhow::Ok((reply.stats.decode_tok_s, stats))
     };
-    let mut self_draft = DraftModel::load(&args.model)?;
+    let mut self_draft = DraftModel::new(engine::registry::load_model(&args.model, &options)?);
     // Warm-up of every path, then alternating timed runs.
     plain(model.as_ref())?;
     spec(model.as_ref(), &mut NeverRight, true)?;

@@ -1,0 +1,444 @@
+//! One turn of a conversation, end to end: what every front end (the app, `quince chat`,
+//! `quince generate`) calls to answer a message.
+//!
+//! [`ChatModel::answer`] takes the conversation as messages with images ([`Turn`]) and:
+//!
+//! 1. renders it with the model's chat template, each image decoded and sized by the model's
+//!    own preprocessor and expanded into its soft tokens ([`Prompt`]);
+//! 2. restores the longest checkpoint offered whose tokens the prompt starts with, trimmed back
+//!    to where they part where the storage allows ([`ResumeCandidate`]), and refuses damaged
+//!    or foreign files without losing the turn;
+//! 3. encodes the images after the restored prefix and prefills the rest;
+//! 4. decodes, plainly or with the chosen draft method ([`Speculation`], [`Drafters`]),
+//!    streaming each token with its text ([`TurnEvent`]);
+//! 5. brings the caches to the turn boundary — the conversation with this reply, as the next
+//!    turn's prompt will start — and writes the checkpoint there, with the draft method's own
+//!    state attached.
+//!
+//! It returns a [`TurnOutcome`]: the reply and one [`TurnStats`], whose [`StopReason`] and
+//! [`SpecStats`] front ends show as they are.
+
+mod drafters;
+mod prompt;
+mod resume;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+pub use drafters::Drafters;
+
+use crate::cache::stack_offset;
+use crate::error::{Error, Result};
+use crate::generate::{Flow, GenerateRequest, StopReason, generate};
+use crate::kv_file::{self, Identity};
+use crate::models::Model;
+use crate::options::LoadOptions;
+use crate::sampling::SamplingParams;
+use crate::speculative::{self, DraftLength, SpecStats, Speculation};
+use crate::tokenizer::{TextStream, Tokenizer};
+
+/// A model ready to answer turns: its weights, its tokenizer (absent for a checkpoint without
+/// tokenizer files: raw token turns only) and who its checkpoints belong to.
+#[derive(Debug)]
+pub struct ChatModel {
+    model: Box<dyn Model>,
+    tokenizer: Option<Tokenizer>,
+    identity: Identity,
+    path: PathBuf,
+}
+
+/// A message of the conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TurnMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// Its text.
+    pub text: String,
+    /// Its images, in order (placed before the text).
+    pub images: Vec<PathBuf>,
+}
+
+impl TurnMessage {
+    /// A message without images.
+    pub fn text(role: &str, text: &str) -> TurnMessage {
+        TurnMessage { role: role.into(), text: text.into(), images: Vec::new() }
+    }
+}
+
+/// What the turn answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// The conversation so far, rendered with the model's chat template (the last message the
+    /// user's). Without a template, the last message's text is tokenized with the tokenizer's
+    /// special tokens.
+    Messages(Vec<TurnMessage>),
+    /// Token ids fed verbatim (no template, no BOS added); `images` fill the runs of the
+    /// model's image token, in order.
+    Tokens {
+        /// The ids.
+        ids: Vec<u32>,
+        /// The images.
+        images: Vec<PathBuf>,
+    },
+}
+
+/// A checkpoint the turn may resume from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumeCandidate {
+    /// The caller's key for it (its index row).
+    pub id: i64,
+    /// Its file.
+    pub path: PathBuf,
+    /// The file's recorded digest ([`kv_file::file_digest`]).
+    pub sha256: String,
+    /// The token ids its caches hold.
+    pub tokens: Vec<u32>,
+}
+
+/// One turn to answer.
+#[derive(Debug, Clone)]
+pub struct Turn {
+    /// What it answers.
+    pub prompt: Prompt,
+    /// Sampling settings.
+    pub sampling: SamplingParams,
+    /// Most tokens to generate (fewer when the context ends first).
+    pub max_tokens: usize,
+    /// Stop when the reply contains one of these (needs a tokenizer).
+    pub stop_strings: Vec<String>,
+    /// Generate past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Soft tokens per image (one of the model's [`crate::vision::Vision::budgets`]).
+    pub max_soft_tokens: usize,
+    /// How to decode.
+    pub speculation: Speculation,
+    /// How many tokens a speculative round drafts.
+    pub draft_length: DraftLength,
+    /// Checkpoints of this conversation's earlier turns, longest first.
+    pub resume: Vec<ResumeCandidate>,
+    /// Where to write the checkpoint at this turn's boundary (`None`: nowhere).
+    pub checkpoint_to: Option<PathBuf>,
+}
+
+impl Turn {
+    /// A greedy turn of up to 256 tokens, no checkpoints, no speculation.
+    pub fn new(prompt: Prompt) -> Turn {
+        Turn {
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens: 256,
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            max_soft_tokens: 280,
+            speculation: Speculation::Off,
+            draft_length: DraftLength::default(),
+            resume: Vec::new(),
+            checkpoint_to: None,
+        }
+    }
+}
+
+/// What a turn streams while it decodes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TurnEvent {
+    /// A generated token and the text it adds to the reply (empty for a stop token, a piece of
+    /// a character still incomplete, text held back while it may begin a stop string, or a
+    /// model without a tokenizer).
+    Token {
+        /// Its id.
+        id: u32,
+        /// Its text.
+        text: String,
+    },
+}
+
+/// The statistics of one turn, as the app stores and shows them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
+pub struct TurnStats {
+    /// Why the reply ended.
+    pub stop_reason: StopReason,
+    /// Tokens in the prompt, images included.
+    pub prompt_tokens: usize,
+    /// Prompt tokens restored from a checkpoint (the rest were prefilled).
+    #[serde(default)]
+    pub reused_tokens: usize,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+    /// From the start of the turn (images, template, checkpoint, prefill) to the first token,
+    /// in ms.
+    pub ttft_ms: f64,
+    /// Prefill speed over the tokens actually prefilled, tokens per second.
+    #[serde(default)]
+    pub prefill_tok_s: f64,
+    /// Decode speed after the first token, tokens per second.
+    pub decode_tok_s: f64,
+    /// Time spent finding, verifying and restoring the checkpoint, in ms (part of the TTFT).
+    #[serde(default)]
+    pub restore_ms: f64,
+    /// MLX's peak memory during the turn, in bytes.
+    #[cfg_attr(feature = "ts", ts(type = "number"))]
+    pub peak_mem_bytes: u64,
+    /// Speculative decoding's counts, when it ran.
+    #[serde(default)]
+    pub spec: Option<SpecStats>,
+}
+
+/// A checkpoint written at a turn's boundary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrittenCheckpoint {
+    /// The file.
+    pub file: kv_file::Written,
+    /// The token ids its caches hold.
+    pub tokens: Vec<u32>,
+}
+
+/// How a turn ended.
+#[derive(Debug, Clone)]
+pub struct TurnOutcome {
+    /// The generated ids (a stop token included).
+    pub tokens: Vec<u32>,
+    /// The reply's text: every piece streamed, in order.
+    pub text: String,
+    /// Its statistics.
+    pub stats: TurnStats,
+    /// The candidate it resumed from.
+    pub resumed_from: Option<i64>,
+    /// The checkpoint written at its boundary.
+    pub checkpoint: Option<WrittenCheckpoint>,
+    /// Candidates found damaged or foreign (id, why): the caller drops them.
+    pub rejected: Vec<(i64, String)>,
+}
+
+impl ChatModel {
+    /// Loads the model and tokenizer in `path`.
+    pub fn load(path: &Path, options: &LoadOptions) -> Result<ChatModel> {
+        let model = crate::registry::load_model(path, options)?;
+        ChatModel::new(path, model, Tokenizer::from_dir(path)?)
+    }
+
+    /// A model loaded from `path` with its tokenizer; its checkpoints belong to the folder and
+    /// the SHA-256 of its `config.json`.
+    pub fn new(
+        path: &Path,
+        model: Box<dyn Model>,
+        tokenizer: Option<Tokenizer>,
+    ) -> Result<ChatModel> {
+        let config = path.join("config.json");
+        let bytes =
+            std::fs::read(&config).map_err(|source| Error::Io { path: config.clone(), source })?;
+        let identity = Identity {
+            model_id: path.to_string_lossy().into_owned(),
+            config_hash: kv_file::sha256_hex(&bytes),
+        };
+        Ok(ChatModel { model, tokenizer, identity, path: path.to_path_buf() })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &dyn Model {
+        self.model.as_ref()
+    }
+
+    /// Its tokenizer, when the folder has one.
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// Who its checkpoints belong to.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    /// Its folder.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs two short turns on throwaway caches, so the weights are read and the kernels built
+    /// (MLX compiles kernels on first use) before the first reply: its TTFT then measures the
+    /// reply's own work. Where long reads run split ([`crate::backend::Ops::split_reads_above`]),
+    /// a third turn decodes past that many keys, so a reply that gets that long does not stall
+    /// while its kernels compile.
+    pub fn warm_up(&self) -> Result<()> {
+        const FIRST: usize = 600;
+        let model = self.model();
+        let mut caches = model.fresh_caches()?;
+        // Past a typical sliding window (512), then a short next turn: the shapes of a first
+        // turn and of a turn resumed deep into a conversation.
+        let mut turns = vec![FIRST, 32];
+        if let Some(keys) = model.ops().split_reads_above() {
+            // Each turn adds its prompt and one decoded token (the second is sampled, not
+            // appended), so this turn's decode step reads `keys + 2` keys.
+            let length = (keys + 2).saturating_sub(FIRST + 1 + 32 + 1).max(1);
+            if keys + 8 < model.max_context() {
+                turns.push(length);
+            }
+        }
+        for length in turns {
+            let request = GenerateRequest::new(vec![2; length], 2);
+            generate(model, &mut caches, &request, |_| Flow::Continue)?;
+        }
+        Ok(())
+    }
+
+    /// Answers `turn` (see the module docs), streaming each token to `on_event`, which may stop
+    /// it after the token it was given. Draft methods come from `drafters`, which keeps them
+    /// loaded for the next turns.
+    pub fn answer(
+        &self,
+        turn: &Turn,
+        drafters: &mut Drafters,
+        mut on_event: impl FnMut(TurnEvent) -> Flow,
+    ) -> Result<TurnOutcome> {
+        // TTFT counts everything from here: images, template, the checkpoint read, the prefill.
+        let started = Instant::now();
+        let model = self.model();
+        if !turn.stop_strings.is_empty() && self.tokenizer.is_none() {
+            return Err(Error::InvalidRequest(format!(
+                "stop strings need a tokenizer; {} has none",
+                self.path.display()
+            )));
+        }
+        // Every image is read and sized first: a bad file fails here, before any prompt work.
+        let prepared = prompt::prepare_images(model, &turn.prompt, turn.max_soft_tokens)?;
+        let prompt = prompt::render(self, &turn.prompt, &prepared, true)?;
+        let limit = model.max_context();
+        if prompt.len() >= limit {
+            return Err(Error::PromptTooLong { prompt_tokens: prompt.len(), limit });
+        }
+        // A reply may use the rest of the context, no more.
+        let max_tokens = turn.max_tokens.min(limit - prompt.len());
+        let mut stop_tokens = model.eos_token_ids();
+        if let Some(tokenizer) = &self.tokenizer {
+            stop_tokens.extend_from_slice(tokenizer.stop_tokens());
+        }
+        if turn.ignore_eos {
+            stop_tokens.clear();
+        }
+
+        let mut rejected = Vec::new();
+        let restore_started = Instant::now();
+        let resumed = resume::restore(self, &turn.resume, &prompt, &mut rejected)?;
+        let restore_ms = restore_started.elapsed().as_secs_f64() * 1e3;
+        let (mut caches, reused) = (resumed.caches, resumed.reused);
+        let images = prompt::encode_after(model, &prompt, &prepared, reused)?;
+        let request = GenerateRequest {
+            sampling: turn.sampling.clone(),
+            stop_tokens: stop_tokens.clone(),
+            images,
+            ..GenerateRequest::new(prompt[reused..].to_vec(), max_tokens)
+        };
+
+        let mut method = drafters.method(self, &turn.speculation)?;
+        if let (Some(m), Some((_, contents))) = (method.as_deref_mut(), &resumed.from) {
+            // The method's own state kept with the checkpoint (a draft model's caches).
+            m.resume(&contents.attachments, &contents.tokens)?;
+        }
+
+        let mut stream =
+            self.tokenizer.as_ref().map(|t| TextStream::new(t, turn.stop_strings.clone()));
+        let mut text = String::new();
+        let mut first_token = None;
+        let mut failed = None;
+        let on_token = |token| {
+            first_token.get_or_insert_with(|| started.elapsed());
+            let mut flow = Flow::Continue;
+            let mut piece = String::new();
+            if !stop_tokens.contains(&token)
+                && let Some(stream) = stream.as_mut()
+            {
+                match stream.push(token) {
+                    Ok((fresh, stopped)) => {
+                        piece = fresh;
+                        if stopped {
+                            flow = Flow::Stop;
+                        }
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        flow = Flow::Stop;
+                    }
+                }
+            }
+            text.push_str(&piece);
+            if on_event(TurnEvent::Token { id: token, text: piece }) == Flow::Stop {
+                flow = Flow::Stop;
+            }
+            flow
+        };
+        let (generation, spec) = match method.as_deref_mut() {
+            Some(method) => {
+                let (generation, spec) = speculative::generate(
+                    model,
+                    &mut caches,
+                    &prompt[..reused],
+                    &request,
+                    method,
+                    turn.draft_length,
+                    on_token,
+                )?;
+                (generation, Some(spec))
+            }
+            None => (generate(model, &mut caches, &request, on_token)?, None),
+        };
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let checkpoint = match &turn.checkpoint_to {
+            Some(path) => {
+                let boundary = prompt::boundary(
+                    self,
+                    &turn.prompt,
+                    &prompt,
+                    &prepared,
+                    &generation.tokens,
+                    &text,
+                )?;
+                let attachments = match method.map(|m| m.checkpoint(&boundary)) {
+                    Some(Ok(attachment)) => attachment.into_iter().collect(),
+                    Some(Err(e)) => {
+                        tracing::warn!("the draft method's state is not kept: {e}");
+                        Vec::new()
+                    }
+                    None => Vec::new(),
+                };
+                let held: Vec<u32> = prompt
+                    .iter()
+                    .chain(&generation.tokens)
+                    .copied()
+                    .take(stack_offset(&caches))
+                    .collect();
+                // The reply stands without its checkpoint (a full disk, say): log and go on.
+                resume::write_boundary(self, boundary, held, &mut caches, path, &attachments)
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(path = %path.display(), "no KV checkpoint written: {e}");
+                        None
+                    })
+            }
+            None => None,
+        };
+        let s = &generation.stats;
+        let stats = TurnStats {
+            stop_reason: generation.stop_reason,
+            prompt_tokens: prompt.len(),
+            reused_tokens: reused,
+            generated_tokens: s.generated_tokens,
+            ttft_ms: first_token.map_or(s.ttft_ms, |t| t.as_secs_f64() * 1e3),
+            prefill_tok_s: s.prefill_tok_s,
+            decode_tok_s: s.decode_tok_s,
+            restore_ms,
+            peak_mem_bytes: s.peak_mem_bytes as u64,
+            spec,
+        };
+        Ok(TurnOutcome {
+            tokens: generation.tokens,
+            text,
+            stats,
+            resumed_from: resumed.from.map(|(id, _)| id),
+            checkpoint,
+            rejected,
+        })
+    }
+}
