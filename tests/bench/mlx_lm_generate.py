@@ -2,7 +2,7 @@
 and the same synthetic prompt, timed the way `quince bench` times itself.
 
 Prints one JSON line: prompt_tokens, generated_tokens, ttft_ms, prefill_tok_s, decode_tok_s,
-peak_mem_bytes, each the median of --repeats runs after a full-length warm-up. Keep the prompt formula in step with crates/cli/src/run.rs (`synthetic_prompt`).
+peak_mem_bytes, each the median of --repeats runs after a full-length warm-up. Keep the prompt formula in step with crates/cli/src/bench.rs (`synthetic_prompt`).
 """
 
 import argparse

@@ -76,8 +76,6 @@ pub struct BenchArgs {
     pub(crate) load: LoadArgs,
 }
 
-/// `--decode-attention`.
-
 /// The prompt `quince bench` and its mlx-lm counterpart both use: fixed pseudo-random ids that
 /// avoid the lowest (special) ids.
 pub(crate) fn synthetic_prompt(n: usize, vocab: u32) -> Vec<u32> {

@@ -3,7 +3,7 @@
 //! load from the model's [`KernelOptions`] and passed to every layer and cache.
 //!
 //! Model and cache code call `ops.residual_norm(…)`, `ops.attend_one(…)`, … and never ask which
-//! backend runs: Quince's CUDA kernels ([`cuda`]) where the backend is CUDA and the options allow
+//! backend runs: Quince's CUDA kernels (`backend/cuda/`) where the backend is CUDA and the options allow
 //! them, MLX's own route ([`mlx`]) everywhere else, and wherever a kernel does not take its
 //! inputs. A new backend's kernels are one more folder implementing the same trait.
 

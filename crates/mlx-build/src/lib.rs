@@ -18,7 +18,7 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-/// The MLX release Quince is pinned to (`mlx==`/`mlx-cpu==` in the venv, `MLX_VERSION` in the Makefile).
+/// The MLX release Quince is pinned to (`mlx==`/`mlx-cpu==` in `tests/reference/requirements.txt`).
 pub const PINNED_VERSION: &str = "0.32.4";
 
 /// An MLX install: headers and the shared library.

@@ -74,7 +74,7 @@ fn host_ns() -> i128 {
         .map_or(0, |d| d.as_nanos() as i128)
 }
 
-/// The decode steps of [`gpu_clock_steps`] read as the single-thread loop reads them, with
+/// The decode steps of [`steps`] read as the decode loop reads them, with
 /// the GPU's clock placed on the host's: the offset between the two is bounded by reading the
 /// GPU clock synchronously a few times (`offset_uncertainty_ms` is the bound's width). All
 /// figures are medians in ms: building and submitting a step, the GPU's start read after the

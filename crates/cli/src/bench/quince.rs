@@ -23,8 +23,7 @@ pub(crate) fn stats_json(s: &engine::generate::GenerationStats) -> serde_json::V
     })
 }
 
-/// Speculative decoding's counts, as the CLI's JSON and the app's stats name them.
-
+/// The ops one decode step runs, by primitive (compiled when the model's decode graphs are
 /// on): a step built after an 8-token prefill and counted before it is evaluated.
 pub(super) fn decode_census(model: &dyn Model) -> anyhow::Result<BTreeMap<String, usize>> {
     let mut caches = model.fresh_caches()?;

@@ -689,7 +689,8 @@ fn split_reads_apply_only_to_the_cuda_kernel() {
 #[test]
 fn committed_spans_are_decode_steps_and_block_reads_store_nothing() {
     use engine::cache::{BlockAttentionCache, CommittedAttentionCache};
-    let makers: [(&str, Option<usize>, fn() -> Box<dyn AttentionCache>); 3] = [
+    type Make = fn() -> Box<dyn AttentionCache>;
+    let makers: [(&str, Option<usize>, Make); 3] = [
         ("plain", None, || Box::new(PlainCache::new())),
         ("ring 3", Some(3), || Box::new(RotatingCache::new(3).unwrap())),
         ("ring 8", Some(8), || Box::new(RotatingCache::new(8).unwrap())),

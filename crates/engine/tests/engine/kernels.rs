@@ -1,6 +1,6 @@
 //! Quince's kernels (`engine::backend`, CUDA) against the MLX ops they replace. The kernels
-//! run only on MLX's CUDA backend: there (the engine test binary sent to the H200 with the
-//! device tool) these tests compare kernel and ops and check that the kernels ran; on any
+//! run only on MLX's CUDA backend: there (the engine test binary run against MLX-CUDA, see
+//! `docs/testing.md`) these tests compare kernel and ops and check that the kernels ran; on any
 //! other backend they check that the kernel set is empty and the MLX route gives its numbers.
 
 use engine::KernelOptions;
