@@ -20,8 +20,8 @@ use ::mlx::quantized::QuantizedMatrix;
 use self::kernels::Kernels;
 pub use self::mlx::{Heads, HeadsLayout, RopeSpec};
 use crate::error::Result;
-use crate::nn::{Activations, RmsNorm};
 use crate::options::KernelOptions;
+use crate::pointwise::{Activations, RmsNorm};
 
 /// The op routes one model (and its caches) run. Cheap to clone: the kernels are shared.
 #[derive(Debug, Clone)]

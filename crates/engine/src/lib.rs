@@ -54,6 +54,7 @@ pub mod kv_file;
 pub mod models;
 pub mod nn;
 mod options;
+pub mod pointwise;
 pub mod registry;
 pub mod sampling;
 pub mod speculative;

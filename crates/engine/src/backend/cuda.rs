@@ -33,8 +33,8 @@ use mlx::{Array, Dtype};
 use super::kernels::Kernels;
 use super::mlx::{Heads, HeadsLayout, RopeSpec};
 use crate::error::{Error, Result};
-use crate::nn::RmsNorm;
 use crate::options::KernelOptions;
+use crate::pointwise::RmsNorm;
 
 /// A kernel's declaration and the check that it agrees with its MLX route.
 pub(super) struct Spec {

@@ -6,7 +6,7 @@ use mlx::quantized::QuantizedMatrix;
 
 use super::mlx::{Heads, HeadsLayout, RopeSpec};
 use crate::error::Result;
-use crate::nn::RmsNorm;
+use crate::pointwise::RmsNorm;
 
 /// A backend's kernel set (one per model, made at load from its options).
 pub(crate) trait Kernels: std::fmt::Debug {

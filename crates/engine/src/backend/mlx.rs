@@ -5,7 +5,7 @@
 use mlx::{Array, Dtype};
 
 use crate::error::{Error, Result};
-use crate::nn::RmsNorm;
+use crate::pointwise::RmsNorm;
 
 /// Query heads and, for a layer with its own, key and value heads, each `[B, H, 1, D]`.
 #[derive(Debug, Clone)]

@@ -8,7 +8,7 @@ use mlx::{Array, Dtype};
 
 use super::{Spec, check_probe, probe_values, worst};
 use crate::error::{Error, Result};
-use crate::nn::Activations;
+use crate::pointwise::Activations;
 
 const GEGLU_THREADS: i32 = 256;
 

@@ -9,7 +9,7 @@ use mlx::{Array, Dtype};
 use super::{Spec, check_probe, float_bits, probe_values, worst};
 use crate::backend::mlx::{Heads, HeadsLayout, RopeSpec, decode_heads};
 use crate::error::{Error, Result};
-use crate::nn::RmsNorm;
+use crate::pointwise::RmsNorm;
 
 const HEADS_THREADS: i32 = 128;
 

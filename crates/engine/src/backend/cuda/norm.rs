@@ -8,7 +8,7 @@ use mlx::fast::{CudaKernel, Launch, TemplateArg};
 
 use super::{Spec, check_probe, first_two, float_bits, probe_values, worst};
 use crate::error::{Error, Result};
-use crate::nn::RmsNorm;
+use crate::pointwise::RmsNorm;
 
 const RESIDUAL_THREADS: i32 = 256;
 
