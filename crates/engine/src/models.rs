@@ -11,6 +11,7 @@ use crate::backend::Ops;
 use crate::cache::{AttentionRead, Cache, CachePlan};
 use crate::compiled::DecodeGraphs;
 use crate::error::{Error, Result};
+use crate::kv_file::Attachment;
 use crate::vision::Vision;
 
 /// Which cache phase a forward pass appends with (the phase is never inferred from a length).
@@ -170,4 +171,52 @@ pub trait AssistantRows {
     /// The final-normed hidden state `[B, T, H]` of the rows of the target's last forward
     /// pass.
     fn last_hidden(&self) -> Option<Array>;
+}
+
+/// The target a method drafts for, as it stands between rounds: its caches hold every
+/// conversation token but the bonus.
+#[derive(Debug, Clone, Copy)]
+pub struct Target<'a> {
+    /// The target model.
+    pub model: &'a dyn Model,
+    /// Its caches.
+    pub caches: &'a [Box<dyn Cache>],
+}
+
+/// A source of draft tokens.
+pub trait DraftMethod: std::fmt::Debug {
+    /// `draft`, `lookup`, `assistant`.
+    fn name(&self) -> &'static str;
+    /// The target ports this method reads.
+    fn ports(&self) -> &'static [TargetPort] {
+        &[]
+    }
+    /// Checks that the method can serve `target` (its ports, its vocabulary), before any
+    /// draft-side allocation.
+    fn bind(&mut self, target: &dyn Model) -> Result<()>;
+    /// A new generation: `context` is every token the target's caches hold after the prompt's
+    /// prefill (the whole conversation so far). Returns how many of those tokens the method
+    /// computed (a draft model's prefill of what its caches lacked; 0 for a method that keeps
+    /// no state of the conversation).
+    fn start(&mut self, target: Target<'_>, context: &[u32]) -> Result<usize>;
+    /// Up to `max` tokens to follow `context` (the conversation so far), whose last token (the
+    /// bonus) the target has not appended yet. Fewer, or none, when the method has nothing
+    /// worth verifying.
+    fn propose(&mut self, target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>>;
+    /// After each round (its verify window appended and rolled back to what it kept) or
+    /// plain decode step: the target kept the first `accepted` drafts, and its last forward
+    /// pass's row `accepted` produced the next bonus.
+    fn settle(&mut self, target: Target<'_>, accepted: usize) -> Result<()>;
+    /// After a generation: the method's state to keep with the target's checkpoint at
+    /// `tokens` (the conversation as the next turn's prompt starts: what this generation saw,
+    /// its reply possibly re-rendered). `None` when it keeps nothing worth saving.
+    fn checkpoint(&mut self, _tokens: &[u32]) -> Result<Option<Attachment>> {
+        Ok(None)
+    }
+    /// Before a generation that resumes from a checkpoint holding `tokens`: that
+    /// checkpoint's attachments. A method takes state it wrote and can use, so that
+    /// [`DraftMethod::start`] computes only what it lacks, and ignores the rest.
+    fn resume(&mut self, _attachments: &[Attachment], _tokens: &[u32]) -> Result<()> {
+        Ok(())
+    }
 }

@@ -9,13 +9,13 @@
 //! it equals that pick, and the caches roll back to the kept positions. The target's pick at
 //! the first mismatch (or after the last draft) is the next round's bonus token.
 //!
-//! Methods ([`DraftMethod`]) name the target ports they read ([`TargetPort`]) and are refused
+//! Methods ([`DraftMethod`]) name the target ports they read ([`TargetPort`](crate::models::TargetPort)) and are refused
 //! before they allocate anything when the target lacks one ([`crate::models::target_lacks`]):
 //! - [`lookup::PromptLookup`]: n-gram matches in the conversation, no model;
 //! - [`draft_model::DraftModel`]: a smaller model with the same tokenizer;
 //! - drafter families of the registry, such as Gemma 4's assistant
 //!   ([`crate::models::gemma4::Gemma4Assistant`]), reading the target's own keys, values and
-//!   hidden state through [`TargetPort::AssistantRows`].
+//!   hidden state through [`TargetPort::AssistantRows`](crate::models::TargetPort::AssistantRows).
 
 pub mod draft_model;
 pub mod lookup;
@@ -31,8 +31,8 @@ use crate::generate::{
     Decoded, Emitter, Flow, GenerateRequest, Generation, StopReason, decode_loop, decode_step,
     start,
 };
-use crate::kv_file::Attachment;
-use crate::models::{Model, Phase, TargetPort, target_lacks};
+pub use crate::models::{DraftMethod, Target};
+use crate::models::{Model, Phase, target_lacks};
 use crate::sampling::Sampler;
 
 /// How a reply is decoded: plainly, or speculatively with a draft method (the same tokens
@@ -56,54 +56,6 @@ pub enum Speculation {
         /// The drafter's folder.
         model: PathBuf,
     },
-}
-
-/// The target a method drafts for, as it stands between rounds: its caches hold every
-/// conversation token but the bonus.
-#[derive(Debug, Clone, Copy)]
-pub struct Target<'a> {
-    /// The target model.
-    pub model: &'a dyn Model,
-    /// Its caches.
-    pub caches: &'a [Box<dyn Cache>],
-}
-
-/// A source of draft tokens.
-pub trait DraftMethod: std::fmt::Debug {
-    /// `draft`, `lookup`, `assistant`.
-    fn name(&self) -> &'static str;
-    /// The target ports this method reads.
-    fn ports(&self) -> &'static [TargetPort] {
-        &[]
-    }
-    /// Checks that the method can serve `target` (its ports, its vocabulary), before any
-    /// draft-side allocation.
-    fn bind(&mut self, target: &dyn Model) -> Result<()>;
-    /// A new generation: `context` is every token the target's caches hold after the prompt's
-    /// prefill (the whole conversation so far). Returns how many of those tokens the method
-    /// computed (a draft model's prefill of what its caches lacked; 0 for a method that keeps
-    /// no state of the conversation).
-    fn start(&mut self, target: Target<'_>, context: &[u32]) -> Result<usize>;
-    /// Up to `max` tokens to follow `context` (the conversation so far), whose last token (the
-    /// bonus) the target has not appended yet. Fewer, or none, when the method has nothing
-    /// worth verifying.
-    fn propose(&mut self, target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>>;
-    /// After each round (its verify window appended and rolled back to what it kept) or
-    /// plain decode step: the target kept the first `accepted` drafts, and its last forward
-    /// pass's row `accepted` produced the next bonus.
-    fn settle(&mut self, target: Target<'_>, accepted: usize) -> Result<()>;
-    /// After a generation: the method's state to keep with the target's checkpoint at
-    /// `tokens` (the conversation as the next turn's prompt starts: what this generation saw,
-    /// its reply possibly re-rendered). `None` when it keeps nothing worth saving.
-    fn checkpoint(&mut self, _tokens: &[u32]) -> Result<Option<Attachment>> {
-        Ok(None)
-    }
-    /// Before a generation that resumes from a checkpoint holding `tokens`: that
-    /// checkpoint's attachments. A method takes state it wrote and can use, so that
-    /// [`DraftMethod::start`] computes only what it lacks, and ignores the rest.
-    fn resume(&mut self, _attachments: &[Attachment], _tokens: &[u32]) -> Result<()> {
-        Ok(())
-    }
 }
 
 /// How many tokens a round drafts.

@@ -25,9 +25,9 @@ pub use text::Gemma4Text;
 
 use crate::checkpoint::ModelDir;
 use crate::error::Result;
+use crate::models::DraftMethod;
 use crate::models::Model;
 use crate::options::LoadOptions;
-use crate::speculative::DraftMethod;
 
 /// The registry's loader for `gemma4` and `gemma4_text` checkpoints.
 pub fn load(dir: &ModelDir, options: &LoadOptions) -> Result<Box<dyn Model>> {

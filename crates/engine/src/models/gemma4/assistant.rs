@@ -22,10 +22,10 @@ use super::layer::{DecoderLayer, load_layer};
 use crate::backend::Ops;
 use crate::checkpoint::ModelDir;
 use crate::error::{Error, Result};
+use crate::models::{DraftMethod, Target};
 use crate::models::{Model, TargetPort, target_lacks};
 use crate::nn::{Activations, Embedding, Linear, RmsNorm};
 use crate::options::LoadOptions;
-use crate::speculative::{DraftMethod, Target};
 
 /// The top level of a `gemma4_assistant` config.
 #[derive(Debug, Clone, Deserialize)]
