@@ -26,7 +26,7 @@ pub(super) fn steps(
     // One step after `y`, with the clock read when the step starts (once `y` is written) and
     // when its token is. The step reads its token through the start read (`y + 0·t0`): a read
     // that nothing depends on may run anywhere in the step, and MLX and CUDA graphs put it late
-    // (which made the sixth session's "start lag" figures meaningless).
+    // (which made earlier "start lag" figures, read without that dependency, meaningless).
     let step = |y: &Array, caches: &mut [Box<dyn Cache>]| {
         let Some(t0) = model.ops().gpu_clock(y)? else { return anyhow::Ok(None) };
         let zero = t0.astype(y.dtype())?.multiply_scalar(0.0)?.reshape(&[1, 1])?;
