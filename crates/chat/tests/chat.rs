@@ -481,17 +481,7 @@ async fn the_checkpoint_budget_holds_and_deleting_a_conversation_deletes_its_che
     assert!(!chat.checkpoints_dir().join(d.to_string()).exists());
 }
 
-fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if entry.path().is_dir() {
-            files.extend(walk(&entry.path()));
-        } else {
-            files.push(entry.path());
-        }
-    }
-    files
-}
+use test_support::walk;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_checkpoint_that_cannot_be_written_costs_nothing_but_the_checkpoint() {

@@ -596,17 +596,7 @@ fn a_kill_during_checkpoint_writes_leaves_no_row_without_its_file() {
     });
 }
 
-fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if entry.path().is_dir() {
-            files.extend(walk(&entry.path()));
-        } else {
-            files.push(entry.path());
-        }
-    }
-    files
-}
+use test_support::walk;
 
 /// `quince pull` against the fake hub (an axum server on 127.0.0.1 standing in for
 /// huggingface.co, which the tests cannot reach): killed mid-file, run again, it fetches only
