@@ -98,6 +98,16 @@ pub async fn regenerate(
     state.chat.regenerate(message_id, forward(&on_event)).await.map_err(fail)
 }
 
+/// A reply to a stored user message (one left unanswered, or another reply to it).
+#[tauri::command]
+pub async fn answer_message(
+    state: State<'_, AppState>,
+    message_id: i64,
+    on_event: Channel<StreamEvent>,
+) -> CommandResult<ThreadMessage> {
+    state.chat.answer(message_id, forward(&on_event)).await.map_err(fail)
+}
+
 /// A new version of a user message (a branch) and its reply.
 #[tauri::command]
 pub async fn edit_message(
@@ -114,6 +124,13 @@ pub async fn edit_message(
 #[tauri::command]
 pub fn stop_reply(state: State<'_, AppState>, reply_id: i64) -> bool {
     state.chat.stop_generation(reply_id)
+}
+
+/// Stops the reply in flight in a conversation (also one still waiting for its model);
+/// false when none is.
+#[tauri::command]
+pub fn stop_conversation(state: State<'_, AppState>, conversation_id: i64) -> bool {
+    state.chat.stop(conversation_id)
 }
 
 /// Shows the branch through a message.

@@ -39,6 +39,8 @@ function view(s) {
       model: q(document, 'model-status')?.innerText ?? null,
       conversations: [...document.querySelectorAll('[data-testid="conversation-item"]')].map((c) => c.innerText.trim()),
       error: q(document, 'error-banner')?.innerText ?? null,
+      waiting: q(document, 'waiting-for-model')?.innerText ?? null,
+      unanswered: q(document, 'unanswered') !== null,
     };`);
 }
 
@@ -89,10 +91,25 @@ async function main() {
   console.log(`e2e: ${APP}`);
   let s = await Session.start(DRIVER, APP);
   try {
-    // First run: the demo model is found among the resources and loaded.
+    // First run: the demo model is found among the resources and loads. Its first load builds
+    // MLX's kernels (run.sh gives the app a fresh TMPDIR, as on a fresh install), so it takes
+    // a while; a message sent meanwhile is stored at once, shown as waiting for the model,
+    // and answered when the load ends.
+    await s.waitFor("the demo model to start loading", async () => (await view(s)).model === "Loading…", 30000);
+    await (await s.waitForElement('[data-testid="new-chat"]')).click();
+    await s.waitForElement('[data-testid="empty-state"]');
+    await setMaxTokens(s, 16);
+    await send(s, "Hello, who are you?");
+    let v = await waitForView(s, "the message to wait for the model", (v) => v.waiting && v.messages.length === 1);
+    assert.match(v.waiting, /^Waiting for Demo \(untrained\) to load…/);
+    assert.equal(v.messages[0].text, "Hello, who are you?");
+    assert.equal(v.model, "Loading…", "sent while the model loads");
+    await shot(s, "waiting-for-model");
     await waitForModel(s);
-    await s.waitForElement('[data-testid="conversations-empty"], [data-testid="empty-state"]');
-    await shot(s, "first-run");
+    v = await waitForReply(s, 1);
+    assert.equal(last(v, "assistant").state, "complete");
+    assert.ok(!v.waiting && !v.unanswered && !v.error, JSON.stringify(v));
+    await shot(s, "answered-after-load");
 
     // A conversation: tokens stream in, then the stats line.
     await (await s.find('[data-testid="new-chat"]')).click();
@@ -108,7 +125,7 @@ async function main() {
     }, 120000, 20);
     const growing = [...lengths].filter((n) => n > 0);
     assert.ok(growing.length >= 2, `saw the reply grow while streaming (lengths ${[...lengths]})`);
-    let v = await view(s);
+    v = await view(s);
     assert.equal(last(v, "assistant").state, "complete");
     assert.match(last(v, "assistant").stats, /TTFT .* ms · .* tok\/s/);
     await s.waitFor("the title made from the first message", async () =>
@@ -188,7 +205,8 @@ async function main() {
       const items = await s.findAll('[data-testid="conversation-item"]');
       return items.length ? items : null;
     });
-    assert.equal(items.length, 1);
+    // The chat answered after the first load, and the main one (the most recent, on top).
+    assert.equal(items.length, 2);
     await items[0].click();
     const v = await waitForView(s, "the conversation to reopen", (v) => v.messages.length === 4);
     assert.equal(v.messages[0].text, "Hello again, edited!");

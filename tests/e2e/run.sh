@@ -11,6 +11,10 @@ export E2E_APP=$APP E2E_SHOTS=${E2E_SHOTS:-target/e2e-shots} E2E_DRIVER=http://1
 export QUINCE_DATA_DIR=$(mktemp -d /tmp/quince-e2e.XXXXXX)
 # No user cache: the library must come from the app's own resources.
 export HF_HUB_CACHE=$QUINCE_DATA_DIR/hf-cache
+# Nor MLX's cache of compiled CPU kernels: the first load builds them, as on a fresh install,
+# which makes it last long enough to send a message while it runs.
+export TMPDIR=$QUINCE_DATA_DIR/tmp
+mkdir -p "$TMPDIR"
 rm -rf "$E2E_SHOTS"
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$QUINCE_DATA_DIR"' EXIT
 # The library downloads from a stand-in for huggingface.co on 127.0.0.1 (nothing outside this

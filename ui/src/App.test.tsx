@@ -134,6 +134,71 @@ describe("App", () => {
     expect(screen.queryByTestId("error-banner")).toBeNull();
   });
 
+  it("gives the message back to the composer when no model is chosen at all", async () => {
+    handlers.set("list_models", () => ({ models: [], loaded: null, default_model: null }));
+    handlers.set("send_message", () => {
+      throw { kind: "model_missing", message: "No model is loaded. Pick one in the model library." };
+    });
+    render(<App />);
+    await waitFor(() => expect(screen.getByTestId("model-status").textContent).toBe("No model"));
+    const input = screen.getByTestId("composer-input") as HTMLTextAreaElement;
+    fireEvent.change(input, { target: { value: "Hello, who are you?" } });
+    await act(async () => {
+      fireEvent.keyDown(input, { key: "Enter" });
+    });
+    const banner = await screen.findByTestId("error-banner");
+    expect(banner.textContent).toContain("No model is loaded");
+    expect((screen.getByTestId("composer-input") as HTMLTextAreaElement).value).toBe("Hello, who are you?");
+    expect(screen.queryByTestId("message")).toBeNull();
+  });
+
+  it("shows a message sent during a load as waiting, keeps it when the load fails, and Retry answers it", async () => {
+    let fail: (e: unknown) => void = () => {};
+    const user = msg({ id: 10, role: "user", content: "Hello, who are you?" });
+    handlers.set("send_message", (a) => {
+      const { onEvent } = a as { onEvent: { onmessage: (e: StreamEvent) => void } };
+      onEvent.onmessage({ kind: "waiting", user, model: "Demo (untrained)", stage: "Warming up", done: 2, total: 3 });
+      conv = { ...conv, messages: [user] };
+      return new Promise((_, reject) => (fail = reject));
+    });
+    render(<App />);
+    await waitFor(() => expect(screen.getByTestId("model-status").textContent).toBe("Demo (untrained)"));
+    const input = screen.getByTestId("composer-input");
+    fireEvent.change(input, { target: { value: "Hello, who are you?" } });
+    await act(async () => {
+      fireEvent.keyDown(input, { key: "Enter" });
+    });
+    const row = await screen.findByTestId("waiting-for-model");
+    expect(row.textContent).toBe("Waiting for Demo (untrained) to load… Warming up 67%");
+    expect(screen.getAllByTestId("message")).toHaveLength(1);
+    expect(screen.getByTestId("stop-button")).toBeTruthy();
+    expect(screen.queryByTestId("retry-button")).toBeNull();
+
+    await act(async () => {
+      fail({ kind: "model_load", message: "Demo (untrained) did not load (bad weights). The message is kept: load a model, then press Retry." });
+    });
+    expect((await screen.findByTestId("error-banner")).textContent).toContain("did not load");
+    await waitFor(() => expect(screen.queryByTestId("waiting-for-model")).toBeNull());
+    expect(screen.getAllByTestId("message")).toHaveLength(1);
+    expect((screen.getByTestId("composer-input") as HTMLTextAreaElement).value).toBe("");
+
+    const answered: unknown[] = [];
+    handlers.set("answer_message", (a) => {
+      const { messageId, onEvent } = a as { messageId: number; onEvent: { onmessage: (e: StreamEvent) => void } };
+      answered.push(messageId);
+      const reply = msg({ id: 11, parent_id: 10, role: "assistant", content: "I am Quince.", state: "complete" });
+      onEvent.onmessage({ kind: "started", user: null, reply: { ...reply, content: "", state: "streaming" } });
+      conv = { ...conv, messages: [user, reply] };
+      return reply;
+    });
+    await act(async () => {
+      fireEvent.click(screen.getByTestId("retry-button"));
+    });
+    await waitFor(() => expect(screen.getAllByTestId("message")).toHaveLength(2));
+    expect(answered).toEqual([10]);
+    expect(screen.queryByTestId("unanswered")).toBeNull();
+  });
+
   it("saves a conversation's speculative decoding choice with its settings", async () => {
     const saved: unknown[] = [];
     handlers.set("set_system_prompt", () => null);

@@ -163,11 +163,23 @@ export function App() {
 
   // ---- streaming ----
 
+  /**
+   * Runs a reply command, streaming its events into the view. Resolves to whether it ended
+   * before anything was stored (a refusal: the caller gives the user their input back).
+   */
   const runStream = useCallback(
     async (conversationId: number, start: (ch: Channel<StreamEvent>) => Promise<ThreadMessage>) => {
       dispatch({ type: "sending", conversationId });
+      let stored = false;
       const ch = new Channel<StreamEvent>();
-      ch.onmessage = (ev) => dispatch(actionFromEvent(conversationId, ev));
+      ch.onmessage = (ev) => {
+        if (!stored && (ev.kind === "started" || (ev.kind === "waiting" && ev.user !== null))) {
+          stored = true;
+          // The sidebar shows the title the first message gave, also while the reply waits.
+          void refreshList();
+        }
+        dispatch(actionFromEvent(conversationId, ev));
+      };
       try {
         // The resolved reply is final even if its `done` event is still on the way.
         const reply = await start(ch);
@@ -178,10 +190,12 @@ export function App() {
         } else {
           dispatch({ type: "failed", conversationId, message: errorMessage(e), reply: null });
         }
+        return !stored;
       } finally {
         await refetch(conversationId);
         void refreshList();
       }
+      return false;
     },
     [refetch, refreshList],
   );
@@ -204,23 +218,41 @@ export function App() {
         return;
       }
     }
+    const attached = pending;
     setText("");
     setPending([]);
     setAttachError(null);
     const convId = id;
-    await runStream(convId, (ch) => api.sendMessage(convId, body, files, ch));
+    const refused = await runStream(convId, (ch) => api.sendMessage(convId, body, files, ch));
+    // Nothing was stored (no model at all, a missing image): the composer gets the message
+    // back, unless the user has started another.
+    if (refused) {
+      setText((now) => (now === "" ? body : now));
+      setPending((now) => (now.length === 0 ? attached : now));
+    }
   }, [busy, text, pending, runStream, showError]);
 
   const stop = useCallback(async () => {
-    // The generation is named once its reply is stored (`started`, at once after sending).
-    const replyId = chat.inFlight?.replyId;
-    if (replyId == null) return;
+    const inFlight = chat.inFlight;
+    if (inFlight === null) return;
     try {
-      await api.stopReply(replyId);
+      // The generation is named once its reply is stored (`started`); a reply still waiting
+      // for its model is stopped by its conversation.
+      if (inFlight.replyId !== null) await api.stopReply(inFlight.replyId);
+      else await api.stopConversation(inFlight.conversationId);
     } catch (e) {
       showError(e);
     }
   }, [chat.inFlight, showError]);
+
+  const retry = useCallback(
+    (messageId: number) => {
+      const id = selectedRef.current;
+      if (id === null || busy) return;
+      void runStream(id, (ch) => api.answerMessage(messageId, ch));
+    },
+    [busy, runStream],
+  );
 
   const regenerate = useCallback(
     (messageId: number) => {
@@ -232,10 +264,10 @@ export function App() {
   );
 
   const edit = useCallback(
-    (messageId: number, newText: string) => {
+    async (messageId: number, newText: string) => {
       const id = selectedRef.current;
-      if (id === null || busy) return;
-      void runStream(id, (ch) => api.editMessage(messageId, newText, ch));
+      if (id === null || busy) return true;
+      return runStream(id, (ch) => api.editMessage(messageId, newText, ch));
     },
     [busy, runStream],
   );
@@ -454,6 +486,8 @@ export function App() {
           onRegenerate={regenerate}
           onEdit={edit}
           onSwitchBranch={(id) => void switchBranch(id)}
+          onRetry={retry}
+          waiting={streamingHere ? (chat.inFlight?.waiting ?? null) : null}
           composer={
             <Composer
               ref={composerRef}

@@ -167,7 +167,8 @@ impl Engine {
 }
 
 /// Load stages, in order.
-const LOAD_STAGES: [&str; 3] = ["Reading the weights", "Loading the tokenizer", "Warming up"];
+pub(crate) const LOAD_STAGES: [&str; 3] =
+    ["Reading the weights", "Loading the tokenizer", "Warming up"];
 
 fn load(
     path: &std::path::Path,

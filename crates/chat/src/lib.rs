@@ -64,7 +64,7 @@ pub struct Chat {
     /// Replies in flight, by conversation.
     running: Arc<Mutex<HashMap<i64, Generation>>>,
     loaded: Arc<Mutex<Option<LoadedModel>>>,
-    loading: Arc<Mutex<Option<Arc<AtomicBool>>>>,
+    loading: Arc<Mutex<Option<models::Loading>>>,
     /// The loaded model's checkpoint identity.
     identity: Arc<Mutex<Option<Identity>>>,
     /// Most bytes of checkpoint files kept; the least recently used go first.

@@ -5,8 +5,36 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::view::{self, LoadEvent, LoadedModel, ModelEntry, ModelSource, ModelsState};
-use crate::{Chat, Error, LAST_MODEL, Result, library, lock, model_type};
+use tokio::sync::watch;
+
+use crate::view::{self, ErrorKind, LoadEvent, LoadedModel, ModelEntry, ModelSource, ModelsState};
+use crate::{Chat, Error, LAST_MODEL, Result, actor, library, lock, model_type};
+
+/// The model load in flight.
+#[derive(Debug, Clone)]
+pub(crate) struct Loading {
+    /// Set to stop it between stages.
+    pub cancel: Arc<AtomicBool>,
+    /// The model's display name.
+    pub name: String,
+    /// Whether the model takes images (from its files).
+    pub vision: bool,
+    /// Where it stands; the last value says how it ended.
+    pub status: watch::Receiver<LoadStatus>,
+}
+
+/// Where a model load stands.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum LoadStatus {
+    /// A stage began: (stage, stages done, stages in all).
+    Stage { stage: String, done: u32, total: u32 },
+    /// The model is loaded.
+    Loaded,
+    /// The load failed.
+    Failed { kind: ErrorKind, message: String },
+    /// The user cancelled it.
+    Cancelled,
+}
 
 impl Chat {
     /// The library (demo model, added folders, the Hugging Face cache) and what is loaded.
@@ -58,8 +86,14 @@ impl Chat {
         lock(&self.loaded).clone()
     }
 
+    /// The display name of the model being loaded, if one is.
+    pub fn loading(&self) -> Option<String> {
+        lock(&self.loading).as_ref().map(|l| l.name.clone())
+    }
+
     /// Loads the model at `path` into the engine, reporting stages; [`Chat::cancel_load`]
-    /// stops it (the previous model stays). One load at a time.
+    /// stops it (the previous model stays). One load at a time. Replies asked for meanwhile
+    /// wait for it (see [`Chat::send`]).
     pub async fn load_model(
         &self,
         path: &Path,
@@ -75,13 +109,28 @@ impl Chat {
                 path.display()
             )));
         }
+        let name = if self.demo_model.as_deref() == Some(path) {
+            library::DEMO_NAME.to_string()
+        } else {
+            library::display_name(path)
+        };
         let cancel = Arc::new(AtomicBool::new(false));
+        let (status, _) = watch::channel(LoadStatus::Stage {
+            stage: "Starting".into(),
+            done: 0,
+            total: actor::LOAD_STAGES.len() as u32,
+        });
         {
             let mut loading = lock(&self.loading);
             if loading.is_some() {
                 return Err(Error::Busy("a model is already loading".into()));
             }
-            *loading = Some(cancel.clone());
+            *loading = Some(Loading {
+                cancel: cancel.clone(),
+                name: name.clone(),
+                vision: library::describe(path, ModelSource::Folder, name.clone()).vision,
+                status: status.subscribe(),
+            });
         }
         let (progress, mut stages) = tokio::sync::mpsc::unbounded_channel();
         let load = self.engine.load(path.to_path_buf(), progress, cancel);
@@ -90,24 +139,34 @@ impl Chat {
             tokio::select! {
                 result = &mut load => break result,
                 Some((stage, done, total)) = stages.recv() => {
+                    status.send_replace(LoadStatus::Stage { stage: stage.clone(), done, total });
                     on_event(LoadEvent::Progress { stage, done, total });
                 }
             }
         };
-        *lock(&self.loading) = None;
-        let info = result?;
+        let info = match result {
+            Ok(info) => info,
+            Err(error) => {
+                status.send_replace(match error.kind() {
+                    ErrorKind::Cancelled => LoadStatus::Cancelled,
+                    kind => LoadStatus::Failed { kind, message: error.to_string() },
+                });
+                *lock(&self.loading) = None;
+                return Err(error);
+            }
+        };
         let model = LoadedModel {
             path: info.path.to_string_lossy().into_owned(),
-            name: if self.demo_model.as_deref() == Some(path) {
-                library::DEMO_NAME.into()
-            } else {
-                library::display_name(path)
-            },
+            name,
             vision: info.vision,
             max_context: info.max_context as u32,
         };
+        // The model is in place before the waiting replies hear that the load ended.
         *lock(&self.loaded) = Some(model.clone());
         *lock(&self.identity) = Some(info.identity.clone());
+        status.send_replace(LoadStatus::Loaded);
+        *lock(&self.loading) = None;
+        tracing::info!(model = %model.name, "model loaded");
         self.store.set_setting(LAST_MODEL, &model.path).await?;
         on_event(LoadEvent::Done { model: model.clone() });
         Ok(model)
@@ -116,8 +175,8 @@ impl Chat {
     /// Cancels the model load in progress; false when none is.
     pub fn cancel_load(&self) -> bool {
         match lock(&self.loading).as_ref() {
-            Some(flag) => {
-                flag.store(true, Ordering::SeqCst);
+            Some(loading) => {
+                loading.cancel.store(true, Ordering::SeqCst);
                 true
             }
             None => false,

@@ -4,32 +4,123 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use engine::generate::StopReason;
 use engine::sampling::SamplingParams;
 use engine::turn::{Prompt, ResumeCandidate, Turn, TurnMessage, TurnOutcome};
 use store::{MessageState, Role};
 
-use crate::view::{LoadedModel, StreamEvent, ThreadMessage};
+use crate::models::{LoadStatus, Loading};
+use crate::view::{ErrorKind, LoadedModel, StreamEvent, ThreadMessage};
 use crate::{
     Chat, Error, Generation, NEW_TITLE, ReplyEvent, Result, SAVE_EVERY, attachment_mime, extras,
     join_ids, lock, merge, parse_ids, settings_of, title_from,
 };
 
+/// How often a reply waiting for a model load checks whether it was stopped.
+const WAIT_POLL: Duration = Duration::from_millis(100);
+
+fn no_model() -> Error {
+    Error::ModelMissing("No model is loaded. Pick one in the model library.".into())
+}
+
 impl Chat {
+    /// The loaded model, checked to take `images` images.
     fn require_model(&self, images: usize) -> Result<LoadedModel> {
-        let loaded = lock(&self.loaded).clone().ok_or_else(|| {
-            Error::ModelMissing("No model is loaded. Pick one in the model library.".into())
-        })?;
+        let loaded = lock(&self.loaded).clone().ok_or_else(no_model)?;
         if images > 0 && !loaded.vision {
             return Err(Error::Invalid(format!("{} does not take images", loaded.name)));
         }
         Ok(loaded)
     }
 
+    /// The name of the model that will answer: the one loading (a reply waits for it) or
+    /// else the one loaded, checked to take `images` images. Refused when there is neither,
+    /// before anything is stored.
+    fn answering_model(&self, images: usize) -> Result<String> {
+        let (name, vision) = match lock(&self.loading).as_ref() {
+            Some(loading) => (loading.name.clone(), loading.vision),
+            None => {
+                let loaded = self.require_model(images)?;
+                (loaded.name, loaded.vision)
+            }
+        };
+        if images > 0 && !vision {
+            return Err(Error::Invalid(format!("{name} does not take images")));
+        }
+        Ok(name)
+    }
+
+    /// Waits for the model load in flight, if any, telling `on_event` where it stands, then
+    /// returns the loaded model. A failed or cancelled load, or `cancel` set while waiting,
+    /// ends the wait with an error (what was stored stays).
+    async fn model_when_loaded(
+        &self,
+        images: usize,
+        cancel: &AtomicBool,
+        user: Option<&ThreadMessage>,
+        on_event: &mut impl FnMut(StreamEvent),
+    ) -> Result<LoadedModel> {
+        let loading = lock(&self.loading).clone();
+        if let Some(Loading { name, mut status, .. }) = loading {
+            loop {
+                let now = status.borrow_and_update().clone();
+                match now {
+                    LoadStatus::Loaded => break,
+                    LoadStatus::Stage { stage, done, total } => {
+                        on_event(StreamEvent::Waiting {
+                            user: user.cloned(),
+                            model: name.clone(),
+                            stage,
+                            done,
+                            total,
+                        });
+                    }
+                    LoadStatus::Failed { kind, message } => {
+                        return Err(Error::Reported {
+                            kind,
+                            message: format!(
+                                "{name} did not load ({message}). The message is kept: load a \
+                                 model, then press Retry."
+                            ),
+                        });
+                    }
+                    LoadStatus::Cancelled => {
+                        return Err(Error::Reported {
+                            kind: ErrorKind::ModelLoad,
+                            message: format!(
+                                "Loading {name} was cancelled. The message is kept: load a \
+                                 model, then press Retry."
+                            ),
+                        });
+                    }
+                }
+                loop {
+                    if cancel.load(Ordering::SeqCst) {
+                        return Err(Error::Cancelled);
+                    }
+                    match tokio::time::timeout(WAIT_POLL, status.changed()).await {
+                        Ok(Ok(())) => break,
+                        // The load's caller went away without an outcome.
+                        Ok(Err(_)) if matches!(*status.borrow(), LoadStatus::Stage { .. }) => {
+                            return Err(Error::Engine("the model load stopped".into()));
+                        }
+                        Ok(Err(_)) => break,
+                        Err(_) => {}
+                    }
+                }
+            }
+        }
+        self.require_model(images)
+    }
+
     /// Adds a user message (with imported images, see [`Chat::import_attachment`]) under the
     /// conversation's current tip and generates the reply, streaming [`StreamEvent`]s. Returns
-    /// the stored reply. Nothing is stored when no model is loaded or an image is missing.
+    /// the stored reply. Nothing is stored when no model is loaded or loading, or an image is
+    /// missing. While a model loads, the message is stored at once and answered when the load
+    /// ends ([`StreamEvent::Waiting`] meanwhile); if the load fails, the message stays,
+    /// unanswered, for [`Chat::answer`].
     pub async fn send(
         &self,
         conversation: i64,
@@ -37,7 +128,7 @@ impl Chat {
         files: &[String],
         mut on_event: impl FnMut(StreamEvent),
     ) -> Result<ThreadMessage> {
-        let model = self.require_model(files.len())?;
+        let model = self.answering_model(files.len())?;
         if text.trim().is_empty() && files.is_empty() {
             return Err(Error::Invalid("the message is empty".into()));
         }
@@ -67,9 +158,9 @@ impl Chat {
         if chat.title.is_empty() || chat.title == NEW_TITLE {
             self.store.rename_conversation(conversation, &title_from(text)).await?;
         }
-        self.store.set_model(conversation, &model.name).await?;
+        self.store.set_model(conversation, &model).await?;
         let user = self.thread_message(self.store.message(user.id).await?).await?;
-        self.reply_to(conversation, user.id, Some(user), &mut on_event).await
+        self.reply_to(conversation, user.id, files.len(), Some(user), &mut on_event).await
     }
 
     /// Appends token ids, verbatim, as the next turn of a raw conversation (see
@@ -80,7 +171,7 @@ impl Chat {
         ids: &[u32],
         mut on_event: impl FnMut(StreamEvent),
     ) -> Result<ThreadMessage> {
-        self.require_model(0)?;
+        self.answering_model(0)?;
         if ids.is_empty() {
             return Err(Error::Invalid("no token ids to send".into()));
         }
@@ -99,7 +190,7 @@ impl Chat {
             )
             .await?;
         let user = self.thread_message(user).await?;
-        self.reply_to(conversation, user.id, Some(user), &mut on_event).await
+        self.reply_to(conversation, user.id, 0, Some(user), &mut on_event).await
     }
 
     /// A new reply to the same user message as `reply` (a sibling branch).
@@ -115,8 +206,26 @@ impl Chat {
         let parent = old
             .parent_id
             .ok_or_else(|| Error::Invalid("the first message has nothing to answer".into()))?;
-        self.require_model(self.store.attachments(parent).await?.len())?;
-        self.reply_to(old.conversation_id, parent, None, &mut on_event).await
+        let images = self.store.attachments(parent).await?.len();
+        self.answering_model(images)?;
+        self.reply_to(old.conversation_id, parent, images, None, &mut on_event).await
+    }
+
+    /// Answers a stored user message: one left unanswered (its model failed to load, or the
+    /// app quit mid-reply) gets its reply, and one already answered gets another (a sibling,
+    /// as [`Chat::regenerate`] makes).
+    pub async fn answer(
+        &self,
+        message: i64,
+        mut on_event: impl FnMut(StreamEvent),
+    ) -> Result<ThreadMessage> {
+        let user = self.store.message(message).await?;
+        if user.role != Role::User {
+            return Err(Error::Invalid("only user messages can be answered".into()));
+        }
+        let images = self.store.attachments(user.id).await?.len();
+        self.answering_model(images)?;
+        self.reply_to(user.conversation_id, user.id, images, None, &mut on_event).await
     }
 
     /// Replaces a user message by a new version (a sibling branch, keeping its images) and
@@ -132,7 +241,8 @@ impl Chat {
             return Err(Error::Invalid("only user messages can be edited".into()));
         }
         let attachments = self.store.attachments(old.id).await?;
-        self.require_model(attachments.len())?;
+        let images = attachments.len();
+        self.answering_model(images)?;
         if text.trim().is_empty() && attachments.is_empty() {
             return Err(Error::Invalid("the message is empty".into()));
         }
@@ -152,7 +262,7 @@ impl Chat {
                 .await?;
         }
         let user = self.thread_message(self.store.message(edited.id).await?).await?;
-        self.reply_to(old.conversation_id, edited.id, Some(user), &mut on_event).await
+        self.reply_to(old.conversation_id, edited.id, images, Some(user), &mut on_event).await
     }
 
     /// Stops the conversation's reply in flight, if any (it is kept, marked stopped).
@@ -179,10 +289,13 @@ impl Chat {
         }
     }
 
+    /// Answers the stored user message `user` (with `images` images), once the model is
+    /// loaded.
     async fn reply_to(
         &self,
         conversation: i64,
         user: i64,
+        images: usize,
         user_view: Option<ThreadMessage>,
         on_event: &mut impl FnMut(StreamEvent),
     ) -> Result<ThreadMessage> {
@@ -196,7 +309,16 @@ impl Chat {
             }
             running.insert(conversation, Generation { reply: None, stop: cancel.clone() });
         }
-        let result = self.reply_inner(conversation, user, user_view, cancel, on_event).await;
+        let result =
+            match self.model_when_loaded(images, &cancel, user_view.as_ref(), on_event).await {
+                Ok(_) => self.reply_inner(conversation, user, user_view, cancel, on_event).await,
+                Err(error) => {
+                    if !matches!(error, Error::Cancelled) {
+                        on_event(StreamEvent::Failed { message: error.to_string(), reply: None });
+                    }
+                    Err(error)
+                }
+            };
         lock(&self.running).remove(&conversation);
         result
     }
@@ -225,18 +347,27 @@ impl Chat {
                 messages.push(TurnMessage::text("system", system));
             }
             for m in &path {
-                let images = self
+                let images: Vec<_> = self
                     .store
                     .attachments(m.id)
                     .await?
                     .into_iter()
                     .map(|a| self.attachments_dir().join(a.path))
                     .collect();
-                messages.push(TurnMessage {
-                    role: m.role.as_str().to_string(),
-                    text: m.content.clone(),
-                    images,
-                });
+                let role = m.role.as_str();
+                match messages.last_mut() {
+                    // Two user messages in a row (the first left unanswered) are one turn:
+                    // chat templates want the roles to alternate.
+                    Some(previous) if previous.role == role && m.role == Role::User => {
+                        previous.text = format!("{}\n\n{}", previous.text, m.content);
+                        previous.images.extend(images);
+                    }
+                    _ => messages.push(TurnMessage {
+                        role: role.to_string(),
+                        text: m.content.clone(),
+                        images,
+                    }),
+                }
             }
             Prompt::Messages(messages)
         };

@@ -158,6 +158,20 @@ pub struct ConversationDetail {
 #[serde(tag = "kind", rename_all = "snake_case")]
 #[allow(clippy::large_enum_variant)] // a few hundred bytes per event, serialized at once
 pub enum StreamEvent {
+    /// The model is still loading: the reply starts when it is ready. Sent when the wait
+    /// begins and at each load stage.
+    Waiting {
+        /// The user message just stored (absent when regenerating or answering).
+        user: Option<ThreadMessage>,
+        /// The model being loaded.
+        model: String,
+        /// The load's current stage, in words.
+        stage: String,
+        /// Stages done.
+        done: u32,
+        /// Stages in all.
+        total: u32,
+    },
     /// The messages are stored: the user's (absent when regenerating) and the empty reply.
     Started {
         /// The user message just stored.

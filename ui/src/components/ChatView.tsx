@@ -1,6 +1,20 @@
 import { useEffect, useLayoutEffect, useRef, useState, type ReactNode } from "react";
 import type { ConversationDetail } from "../ipc/bindings";
+import type { Waiting } from "../state/stream";
 import { Message } from "./Message";
+
+/** The row under a message that waits for the model to load. */
+function WaitingRow({ waiting }: { waiting: Waiting }) {
+  const pct = waiting.total > 0 ? Math.round((Math.min(waiting.done, waiting.total) / waiting.total) * 100) : null;
+  return (
+    <div className="reply-waiting" data-testid="waiting-for-model" role="status">
+      <span className="spinner" aria-hidden="true" />
+      Waiting for {waiting.model} to load…
+      {waiting.stage ? ` ${waiting.stage}` : ""}
+      {pct !== null ? ` ${pct}%` : ""}
+    </div>
+  );
+}
 
 export function ChatView({
   detail,
@@ -12,6 +26,8 @@ export function ChatView({
   onRegenerate,
   onEdit,
   onSwitchBranch,
+  onRetry,
+  waiting,
   composer,
 }: {
   detail: ConversationDetail | null;
@@ -23,8 +39,12 @@ export function ChatView({
   onFiles: (files: File[]) => void;
   onRefused: (message: string) => void;
   onRegenerate: (id: number) => void;
-  onEdit: (id: number, text: string) => void;
+  onEdit: (id: number, text: string) => Promise<boolean>;
   onSwitchBranch: (siblingId: number) => void;
+  /** Answers a user message left without a reply. */
+  onRetry: (id: number) => void;
+  /** Set while the reply in this conversation waits for its model. */
+  waiting: Waiting | null;
   composer: ReactNode;
 }) {
   const scrollRef = useRef<HTMLDivElement>(null);
@@ -38,7 +58,7 @@ export function ChatView({
   useLayoutEffect(() => {
     const el = scrollRef.current;
     if (el && stickRef.current) el.scrollTop = el.scrollHeight;
-  }, [messages.length, last?.content, last?.state]);
+  }, [messages.length, last?.content, last?.state, waiting?.done]);
 
   // A newly opened conversation starts at the bottom.
   useEffect(() => {
@@ -109,6 +129,21 @@ export function ChatView({
                 onSwitchBranch={onSwitchBranch}
               />
             ))}
+            {waiting && streaming ? <WaitingRow waiting={waiting} /> : null}
+            {!streaming && last?.role === "user" ? (
+              <div className="reply-missing" data-testid="unanswered">
+                Not answered yet.
+                <button
+                  type="button"
+                  className="button small"
+                  data-testid="retry-button"
+                  disabled={busy}
+                  onClick={() => onRetry(last.id)}
+                >
+                  Retry
+                </button>
+              </div>
+            ) : null}
           </div>
         )}
       </div>

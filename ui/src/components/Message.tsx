@@ -120,10 +120,13 @@ export const Message = memo(function Message({
   /** A reply is streaming somewhere: actions that start one are disabled. */
   busy: boolean;
   onRegenerate: (id: number) => void;
-  onEdit: (id: number, text: string) => void;
+  /** Resolves to true when the edit was refused before anything was stored. */
+  onEdit: (id: number, text: string) => Promise<boolean>;
   onSwitchBranch: (siblingId: number) => void;
 }) {
   const [editing, setEditing] = useState(false);
+  // An edit refused before it was stored (no model at all) comes back into the box.
+  const [draft, setDraft] = useState<string | null>(null);
   const isUser = msg.role === "user";
   const streaming = msg.state === "streaming";
 
@@ -142,11 +145,20 @@ export const Message = memo(function Message({
         <div className="message-body">
           {isUser && editing ? (
             <EditBox
-              initial={msg.content}
-              onCancel={() => setEditing(false)}
+              initial={draft ?? msg.content}
+              onCancel={() => {
+                setEditing(false);
+                setDraft(null);
+              }}
               onSave={(text) => {
                 setEditing(false);
-                onEdit(msg.id, text);
+                setDraft(null);
+                void onEdit(msg.id, text).then((refused) => {
+                  if (refused) {
+                    setDraft(text);
+                    setEditing(true);
+                  }
+                });
               }}
             />
           ) : isUser ? (

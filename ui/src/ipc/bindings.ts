@@ -253,7 +253,27 @@ settings: Settings,
  */
 messages: Array<ThreadMessage>, };
 
-export type StreamEvent = { "kind": "started", 
+export type StreamEvent = { "kind": "waiting", 
+/**
+ * The user message just stored (absent when regenerating or answering).
+ */
+user: ThreadMessage | null, 
+/**
+ * The model being loaded.
+ */
+model: string, 
+/**
+ * The load's current stage, in words.
+ */
+stage: string, 
+/**
+ * Stages done.
+ */
+done: number, 
+/**
+ * Stages in all.
+ */
+total: number, } | { "kind": "started", 
 /**
  * The user message just stored.
  */

@@ -109,6 +109,11 @@ export function regenerate(messageId: number, onEvent: Channel<StreamEvent>): Pr
   return invoke("regenerate", { messageId, onEvent });
 }
 
+/** A reply to a stored user message (one left unanswered by a failed load, or another reply). */
+export function answerMessage(messageId: number, onEvent: Channel<StreamEvent>): Promise<ThreadMessage> {
+  return invoke("answer_message", { messageId, onEvent });
+}
+
 export function editMessage(
   messageId: number,
   text: string,
@@ -120,6 +125,11 @@ export function editMessage(
 /** Stops a generation, named by the reply it writes (the `started` event's reply id). */
 export function stopReply(replyId: number): Promise<boolean> {
   return invoke("stop_reply", { replyId });
+}
+
+/** Stops the reply in flight in a conversation, also one still waiting for its model. */
+export function stopConversation(conversationId: number): Promise<boolean> {
+  return invoke("stop_conversation", { conversationId });
 }
 
 export function switchBranch(messageId: number): Promise<ConversationDetail> {

@@ -23,15 +23,39 @@ describe("chatReducer", () => {
 
   it("sending marks a reply in flight before started arrives", () => {
     const s = chatReducer(loaded(), { type: "sending", conversationId: 1 });
-    expect(s.inFlight).toEqual({ conversationId: 1, replyId: null });
+    expect(s.inFlight).toEqual({ conversationId: 1, replyId: null, waiting: null, userStored: false });
     expect(isStreamingHere(s)).toBe(true);
+  });
+
+  it("waiting shows the stored user message and the load's progress until started", () => {
+    let s = chatReducer(loaded(), { type: "sending", conversationId: 1 });
+    const progress = { model: "Demo", stage: "Warming up", done: 2, total: 3 };
+    s = chatReducer(s, actionFromEvent(1, { kind: "waiting", user, ...progress }));
+    expect(s.detail?.messages.map((m) => m.id)).toEqual([10]);
+    expect(s.inFlight).toEqual({ conversationId: 1, replyId: null, waiting: progress, userStored: true });
+    // Later stages repeat the user message: it is shown once.
+    s = chatReducer(s, { type: "waiting", conversationId: 1, user, waiting: { ...progress, done: 3 } });
+    expect(s.detail?.messages.map((m) => m.id)).toEqual([10]);
+    expect(s.inFlight?.waiting?.done).toBe(3);
+    s = chatReducer(s, { type: "started", conversationId: 1, user, reply: placeholder });
+    expect(s.detail?.messages.map((m) => m.id)).toEqual([10, 11]);
+    expect(s.inFlight).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true });
+  });
+
+  it("a failed wait keeps the stored user message and clears the reply in flight", () => {
+    let s = chatReducer(loaded(), { type: "sending", conversationId: 1 });
+    s = chatReducer(s, { type: "waiting", conversationId: 1, user, waiting: { model: "M", stage: "", done: 0, total: 3 } });
+    s = chatReducer(s, { type: "failed", conversationId: 1, message: "M did not load", reply: null });
+    expect(s.detail?.messages.map((m) => m.id)).toEqual([10]);
+    expect(s.inFlight).toBeNull();
+    expect(s.error).toBe("M did not load");
   });
 
   it("started inserts the user message and the reply placeholder", () => {
     const s = started();
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10, 11]);
     expect(s.detail?.messages[1].state).toBe("streaming");
-    expect(s.inFlight).toEqual({ conversationId: 1, replyId: 11 });
+    expect(s.inFlight).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true });
   });
 
   it("started with a null user (regenerate) branches off the reply's parent", () => {

@@ -2,10 +2,17 @@
 // is streaming into it. Pure; the components only dispatch.
 import type { ConversationDetail, StreamEvent, ThreadMessage } from "../ipc/bindings";
 
+/** A reply that waits for its model to finish loading. */
+export type Waiting = { model: string; stage: string; done: number; total: number };
+
 export type InFlight = {
   conversationId: number;
   /** The placeholder reply's id, known once `started` arrives. */
   replyId: number | null;
+  /** Set while the reply waits for the model (`waiting` events), until `started`. */
+  waiting: Waiting | null;
+  /** Whether the user message is stored (a `waiting` or `started` event carried it). */
+  userStored: boolean;
 };
 
 export type ChatState = {
@@ -18,6 +25,7 @@ export type ChatState = {
 export type ChatAction =
   | { type: "loaded"; detail: ConversationDetail | null }
   | { type: "sending"; conversationId: number }
+  | { type: "waiting"; conversationId: number; user: ThreadMessage | null; waiting: Waiting }
   | { type: "started"; conversationId: number; user: ThreadMessage | null; reply: ThreadMessage }
   | { type: "text"; conversationId: number; text: string }
   | { type: "done"; conversationId: number; reply: ThreadMessage }
@@ -32,6 +40,13 @@ export function actionFromEvent(conversationId: number, ev: StreamEvent): ChatAc
   switch (ev.kind) {
     case "started":
       return { type: "started", conversationId, user: ev.user, reply: ev.reply };
+    case "waiting":
+      return {
+        type: "waiting",
+        conversationId,
+        user: ev.user,
+        waiting: { model: ev.model, stage: ev.stage, done: ev.done, total: ev.total },
+      };
     case "text":
       return { type: "text", conversationId, text: ev.text };
     case "done":
@@ -54,16 +69,12 @@ function mapMessages(
 }
 
 /**
- * The new path after `started`: everything up to the new messages' parent,
- * then the new messages (a send appends; regenerate/edit start a branch).
+ * The new path once `fresh` (the new messages, in order) is stored: everything up to the
+ * first one's parent, then them (a send appends; regenerate/edit start a branch).
  */
-function insertStarted(
-  messages: ThreadMessage[],
-  user: ThreadMessage | null,
-  reply: ThreadMessage,
-): ThreadMessage[] {
-  const first = user ?? reply;
-  const newIds = new Set([reply.id, ...(user ? [user.id] : [])]);
+function insertNew(messages: ThreadMessage[], fresh: ThreadMessage[]): ThreadMessage[] {
+  const first = fresh[0];
+  const newIds = new Set(fresh.map((m) => m.id));
   const kept = messages.filter((m) => !newIds.has(m.id));
   let cut: ThreadMessage[];
   if (first.parent_id === null) {
@@ -72,8 +83,17 @@ function insertStarted(
     const idx = kept.findIndex((m) => m.id === first.parent_id);
     cut = idx >= 0 ? kept.slice(0, idx + 1) : kept;
   }
+  return [...cut, ...fresh];
+}
+
+/** The new path after `started`: the user message (when new) and the reply placeholder. */
+function insertStarted(
+  messages: ThreadMessage[],
+  user: ThreadMessage | null,
+  reply: ThreadMessage,
+): ThreadMessage[] {
   const placeholder: ThreadMessage = { ...reply, state: "streaming", error: null };
-  return user ? [...cut, user, placeholder] : [...cut, placeholder];
+  return insertNew(messages, user ? [user, placeholder] : [placeholder]);
 }
 
 export function chatReducer(state: ChatState, action: ChatAction): ChatState {
@@ -83,7 +103,11 @@ export function chatReducer(state: ChatState, action: ChatAction): ChatState {
     case "clearError":
       return state.error === null ? state : { ...state, error: null };
     case "sending":
-      return { ...state, inFlight: { conversationId: action.conversationId, replyId: null }, error: null };
+      return {
+        ...state,
+        inFlight: { conversationId: action.conversationId, replyId: null, waiting: null, userStored: false },
+        error: null,
+      };
     default:
       break;
   }
@@ -94,8 +118,23 @@ export function chatReducer(state: ChatState, action: ChatAction): ChatState {
   const inFlightHere = state.inFlight !== null && state.inFlight.conversationId === action.conversationId;
 
   switch (action.type) {
+    case "waiting": {
+      if (!inFlightHere || state.inFlight === null) return state;
+      const inFlight: InFlight = {
+        ...state.inFlight,
+        waiting: action.waiting,
+        userStored: state.inFlight.userStored || action.user !== null,
+      };
+      if (!here || action.user === null) return { ...state, inFlight };
+      return { ...state, inFlight, detail: { ...detail, messages: insertNew(detail.messages, [action.user]) } };
+    }
     case "started": {
-      const inFlight: InFlight = { conversationId: action.conversationId, replyId: action.reply.id };
+      const inFlight: InFlight = {
+        conversationId: action.conversationId,
+        replyId: action.reply.id,
+        waiting: null,
+        userStored: (state.inFlight?.userStored ?? false) || action.user !== null,
+      };
       if (!here) return inFlightHere ? { ...state, inFlight } : state;
       return {
         ...state,
