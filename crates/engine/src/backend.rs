@@ -187,12 +187,13 @@ impl Ops {
         dims: i32,
         traditional: bool,
         frequencies: RopeFrequencies<'_>,
+        scale: f32,
         offset: RopeOffset<'_>,
     ) -> Result<Array> {
         if self.shapeless && ::mlx::Backend::current() == ::mlx::Backend::Cpu {
-            return Ok(::mlx::fast::rope_by_ops(x, dims, traditional, frequencies, 1.0, offset)?);
+            return Ok(::mlx::fast::rope_by_ops(x, dims, traditional, frequencies, scale, offset)?);
         }
-        Ok(::mlx::fast::rope(x, dims, traditional, frequencies, 1.0, offset)?)
+        Ok(::mlx::fast::rope(x, dims, traditional, frequencies, scale, offset)?)
     }
 
     /// Attention for one query position `q` `[B, Hq, 1, D]` over `k`, `v` `[B, Hkv, S, D]`

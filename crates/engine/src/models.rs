@@ -3,6 +3,7 @@
 //! ([`TargetPort`]). Each family is one folder (`models/gemma4/`) and one entry in
 //! [`crate::registry`].
 
+pub mod gemma3;
 pub mod gemma4;
 
 use mlx::Array;

@@ -52,6 +52,12 @@ pub const FAMILIES: &[Family] = &[
         takes_images: models::gemma4::takes_images,
     },
     Family {
+        name: "Gemma 3",
+        model_types: &["gemma3", "gemma3_text"],
+        loader: Loader::Model(models::gemma3::load),
+        takes_images: |_| false,
+    },
+    Family {
         name: "Gemma 4 assistant",
         model_types: &["gemma4_assistant"],
         loader: Loader::Drafter(models::gemma4::load_assistant),

@@ -27,7 +27,7 @@ pub struct PreparedImage {
 
 /// What a model with a vision tower offers front ends and the turn: how it sizes and encodes
 /// an image, and how an image sits in its prompt.
-pub trait Vision {
+pub trait Vision: std::fmt::Debug {
     /// Soft-token budgets per image it supports.
     fn budgets(&self) -> &[usize];
     /// Resizes and scales `image` the way the model's reference preprocessor does, for a budget

@@ -3,7 +3,7 @@
 //! checkpoints (f32, 4-bit, 8-bit, `attention_k_eq_v`, `gemma4_text`, MoE). Every checkpoint's
 //! sliding window (6 or 8) is shorter than its 40-token prompt.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use engine::LoadOptions;
 use engine::generate::{Flow, GenerateRequest, generate};
@@ -22,7 +22,11 @@ struct Golden {
 }
 
 fn golden(name: &str) -> Golden {
-    let file = mlx::io::load_safetensors(golden_dir(name).join("golden.safetensors")).unwrap();
+    golden_at(&golden_dir(name))
+}
+
+fn golden_at(dir: &Path) -> Golden {
+    let file = mlx::io::load_safetensors(dir.join("golden.safetensors")).unwrap();
     let ids = |key: &str| -> Vec<u32> {
         file.tensors[key]
             .astype(mlx::Dtype::Int32)
@@ -80,9 +84,15 @@ fn greedy(model: &dyn Model, prompt: &[u32], n: usize) -> Vec<u32> {
 }
 
 fn check(name: &str, tolerance: f32) {
-    let model =
-        engine::registry::load_model(golden_dir(name), &engine::LoadOptions::default()).unwrap();
-    let g = golden(name);
+    check_checkpoint(&golden_dir(name), tolerance);
+}
+
+/// A golden checkpoint folder against its goldens: full-sequence, token-by-token and chunked
+/// logits within `tolerance`, and the greedy continuation exactly.
+pub(crate) fn check_checkpoint(dir: &Path, tolerance: f32) {
+    let name = dir.display();
+    let model = engine::registry::load_model(dir, &engine::LoadOptions::default()).unwrap();
+    let g = golden_at(dir);
     assert_eq!(g.prompt.len(), 40);
     let full = max_diff(&full_logits(model.as_ref(), &g.prompt), &g.logits);
     assert!(full <= tolerance, "{name}: full-sequence logits differ by {full} > {tolerance}");

@@ -4,6 +4,7 @@
 
 mod cache;
 mod errors;
+mod gemma3;
 mod gemma4;
 mod kernels;
 mod kv_file;

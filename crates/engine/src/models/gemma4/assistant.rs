@@ -17,7 +17,7 @@ use mlx::{Array, Dtype, ops};
 use serde::Deserialize;
 
 use super::attention::{Append, Context, Position, Rope};
-use super::config::Gemma4TextConfig;
+use super::config::{Gemma4TextConfig, Variant};
 use super::layer::{DecoderLayer, load_layer};
 use crate::backend::Ops;
 use crate::checkpoint::ModelDir;
@@ -126,7 +126,7 @@ impl Gemma4Assistant {
         let hidden = c.hidden_size;
         let embed_tokens = Embedding::new(w.matrix("embed_tokens", c.vocab_size, hidden)?);
         let layers = (0..c.num_hidden_layers)
-            .map(|i| load_layer(&w, c, i, true, stack))
+            .map(|i| load_layer(&w, c, &Variant::GEMMA4, i, true, stack))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(w.get("norm.weight", &[hidden])?, c.rms_norm_eps);
         let backbone = config.backbone_hidden_size;

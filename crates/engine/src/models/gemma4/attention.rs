@@ -1,6 +1,7 @@
-//! Gemma 4 attention: a stacked q/k/v projection, per-head q/k/v norms (attention scale 1),
-//! rope per layer type (proportional on full layers), `attention_k_eq_v`, and KV-shared
-//! layers that attend their donor's read.
+//! Gemma attention: a stacked q/k/v projection, per-head q/k norms and Gemma 4's value norm
+//! (scale 1 there; Gemma 3 scales by `query_pre_attn_scalar^-½`), rope per layer type
+//! (proportional on Gemma 4's full layers, linear scaling on Gemma 3's), `attention_k_eq_v`,
+//! and KV-shared layers that attend their donor's read.
 
 use std::cell::OnceCell;
 
@@ -19,12 +20,20 @@ pub(crate) struct Rope {
     dims: i32,
     traditional: bool,
     base: f32,
+    /// Positions are multiplied by this (`1 / factor` for linear scaling).
+    scale: f32,
     /// Periods for proportional rope (`inf` for the pairs that do not rotate).
     freqs: Option<Array>,
 }
 
 impl Rope {
     pub(crate) fn new(params: &RopeParameters, dims: i32, traditional: bool) -> Result<Rope> {
+        // Linear scaling (Gemma 3's global layers): positions divided by the factor.
+        let scale = if params.rope_type == "linear" {
+            (1.0 / params.factor.unwrap_or(1.0)) as f32
+        } else {
+            1.0
+        };
         let freqs = if params.rope_type == "proportional" {
             // As mlx-lm's ProportionalRoPE: rotated = int(dims · factor_partial), periods
             // factor · θ^(2i/dims) for the rotated pairs, infinite for the rest.
@@ -40,7 +49,7 @@ impl Rope {
         } else {
             None
         };
-        Ok(Rope { dims, traditional, base: params.rope_theta as f32, freqs })
+        Ok(Rope { dims, traditional, base: params.rope_theta as f32, scale, freqs })
     }
 
     /// The rotation as the fused decode kernel takes it.
@@ -63,7 +72,7 @@ impl Rope {
                 ));
             }
         };
-        ops.rope(x, self.dims, self.traditional, frequencies, offset)
+        ops.rope(x, self.dims, self.traditional, frequencies, self.scale, offset)
     }
 }
 
@@ -133,6 +142,8 @@ pub(crate) struct Attention {
     pub(super) heads: i32,
     pub(crate) head_dim: i32,
     pub(crate) sliding: bool,
+    /// The attention scale (1 where the q/k norms replace `1/√d`).
+    pub(super) scale: f32,
 }
 
 #[derive(Debug, Clone)]
@@ -140,7 +151,8 @@ pub(super) struct KeyValue {
     /// `attention_k_eq_v`: values are the raw `k_proj` output (no `v_proj`).
     pub(super) k_eq_v: bool,
     pub(super) k_norm: RmsNorm,
-    pub(super) v_norm: RmsNorm,
+    /// Gemma 4 norms the values (without a weight); Gemma 3 does not.
+    pub(super) v_norm: Option<RmsNorm>,
     pub(super) kv_heads: i32,
 }
 
@@ -213,7 +225,7 @@ impl Attention {
                 ));
             }
         };
-        let out = read.attend(&q, 1.0)?; // q_norm/k_norm replace the 1/sqrt(d) scale
+        let out = read.attend(&q, self.scale)?;
         let width = self.heads * self.head_dim;
         let out = if query_rows == 1 {
             out.reshape(&[b, 1, width])? // one row: [B, H, 1, D] is already in [B, 1, H·D] order
@@ -232,7 +244,9 @@ impl Attention {
         position: &Position,
         ops: &Ops,
     ) -> Result<Option<crate::backend::Heads>> {
-        if rope.dims != self.head_dim || !ops.has_kernels() {
+        // The kernel rotates whole heads at scale 1 and norms the values.
+        let plain_values = self.kv.as_ref().is_some_and(|kv| kv.v_norm.is_none());
+        if rope.dims != self.head_dim || rope.scale != 1.0 || plain_values || !ops.has_kernels() {
             return Ok(None);
         }
         let (kv_heads, values_at, k_norm) = match &self.kv {
@@ -286,7 +300,10 @@ impl Attention {
         };
         let k = heads_first(raw_k, kv.kv_heads, self.head_dim, |k| kv.k_norm.forward(k))?;
         let k = rope.apply(&k, position, 0, ops)?;
-        let v = heads_first(raw_v, kv.kv_heads, self.head_dim, |v| kv.v_norm.forward(v))?;
+        let v = heads_first(raw_v, kv.kv_heads, self.head_dim, |v| match &kv.v_norm {
+            Some(norm) => norm.forward(v),
+            None => Ok(v.clone()),
+        })?;
         Ok((q, Some((k, v))))
     }
 }

@@ -9,10 +9,57 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 
+/// What differs between the Gemma decoders this folder runs: Gemma 4's own, and Gemma 3's
+/// (`models::gemma3` maps its config onto [`Gemma4TextConfig`] and picks [`Variant::GEMMA3`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Variant {
+    /// The family, for messages.
+    pub family: &'static str,
+    /// Norms scale by `1 + w` (Gemma 3; the loader adds the 1 in the weight's dtype, as
+    /// mlx-lm computes it), not by `w`.
+    pub norm_offset: bool,
+    /// Values are normed (without a weight) before attention.
+    pub value_norm: bool,
+    /// Each layer's output is multiplied by its `layer_scalar`.
+    pub layer_scalar: bool,
+    /// The embedding scale `√hidden` is rounded to bfloat16 first, whatever the model's dtype
+    /// (mlx-lm and mlx-vlm's Gemma 3).
+    pub embed_scale_bf16: bool,
+    /// The model lends the Gemma 4 assistant its reads ([`crate::models::AssistantRows`]).
+    pub assistant_port: bool,
+}
+
+impl Variant {
+    /// Gemma 4.
+    pub const GEMMA4: Variant = Variant {
+        family: "Gemma 4",
+        norm_offset: false,
+        value_norm: true,
+        layer_scalar: true,
+        embed_scale_bf16: false,
+        assistant_port: true,
+    };
+    /// Gemma 3.
+    pub const GEMMA3: Variant = Variant {
+        family: "Gemma 3",
+        norm_offset: true,
+        value_norm: false,
+        layer_scalar: false,
+        embed_scale_bf16: true,
+        assistant_port: false,
+    };
+
+    /// The norm of a stored weight, as this variant scales by it.
+    pub(crate) fn norm(&self, weight: mlx::Array, eps: f32) -> Result<crate::nn::RmsNorm> {
+        let weight = if self.norm_offset { weight.add_scalar(1.0)? } else { weight };
+        Ok(crate::nn::RmsNorm::new(weight, eps))
+    }
+}
+
 /// Rope settings of one layer type (`rope_parameters.<layer type>`).
 #[derive(Debug, Clone, Deserialize)]
 pub struct RopeParameters {
-    /// `default` or `proportional`.
+    /// `default` or `proportional` (Gemma 4), `linear` (Gemma 3's global layers).
     #[serde(default = "default_rope_type")]
     pub rope_type: String,
     /// θ.
@@ -20,7 +67,7 @@ pub struct RopeParameters {
     /// Fraction of each head's dimensions that rotate (proportional rope).
     #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
-    /// Frequency factor (proportional rope).
+    /// Frequency factor (proportional rope), or the position divisor (`linear`).
     #[serde(default)]
     pub factor: Option<f64>,
 }
@@ -102,6 +149,9 @@ pub struct Gemma4TextConfig {
     /// End-of-sequence id(s).
     #[serde(default)]
     pub eos_token_id: Option<Value>,
+    /// The attention scale; absent for Gemma 4, whose q/k norms replace `1/√d` (scale 1).
+    #[serde(skip)]
+    pub attention_scale: Option<f32>,
 }
 
 fn default_true() -> bool {

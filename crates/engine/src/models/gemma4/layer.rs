@@ -1,11 +1,11 @@
-//! A Gemma 4 decoder layer: attention, the residual stream with its four norms, the GeGLU
+//! A Gemma decoder layer (Gemma 4's, and Gemma 3's through its [`Variant`]): attention, the residual stream with its four norms, the GeGLU
 //! MLP (doubled on KV-shared layers with `use_double_wide_mlp`), the mixture-of-experts block
 //! beside it on 26B-A4B, the per-layer input (PLE) and the layer scalar.
 
 use mlx::Array;
 
 use super::attention::{Attention, KeyValue};
-use super::config::Gemma4TextConfig;
+use super::config::{Gemma4TextConfig, Variant};
 use super::moe::{Moe, load_moe};
 use crate::backend::Ops;
 use crate::checkpoint::Weights;
@@ -41,12 +41,13 @@ pub(crate) struct DecoderLayer {
     pre_feedforward_layernorm: RmsNorm,
     post_feedforward_layernorm: RmsNorm,
     pub(super) per_layer: Option<PerLayerInput>,
-    layer_scalar: Array,
+    layer_scalar: Option<Array>,
 }
 
 pub(crate) fn load_layer(
     w: &Weights<'_>,
     c: &Gemma4TextConfig,
+    variant: &Variant,
     i: usize,
     shared: bool,
     stack: bool,
@@ -73,8 +74,8 @@ pub(crate) fn load_layer(
         }
         Some(KeyValue {
             k_eq_v,
-            k_norm: RmsNorm::new(w.get(&format!("{a}k_norm.weight"), &[head_dim])?, eps),
-            v_norm: RmsNorm::unscaled(eps),
+            k_norm: variant.norm(w.get(&format!("{a}k_norm.weight"), &[head_dim])?, eps)?,
+            v_norm: variant.value_norm.then(|| RmsNorm::unscaled(eps)),
             kv_heads,
         })
     };
@@ -82,10 +83,11 @@ pub(crate) fn load_layer(
         proj: Stacked::new(projections, stack)?,
         kv,
         o_proj: Linear::new(w.matrix(&format!("{a}o_proj"), hidden, heads * head_dim)?),
-        q_norm: RmsNorm::new(w.get(&format!("{a}q_norm.weight"), &[head_dim])?, eps),
+        q_norm: variant.norm(w.get(&format!("{a}q_norm.weight"), &[head_dim])?, eps)?,
         heads,
         head_dim,
         sliding,
+        scale: c.attention_scale.unwrap_or(1.0),
     };
     let width =
         if shared && c.use_double_wide_mlp { 2 * c.intermediate_size } else { c.intermediate_size };
@@ -102,7 +104,7 @@ pub(crate) fn load_layer(
         one: Array::scalar(1i32)?,
     };
     let norm = |name: &str| -> Result<RmsNorm> {
-        Ok(RmsNorm::new(w.get(&format!("{p}{name}.weight"), &[hidden])?, eps))
+        variant.norm(w.get(&format!("{p}{name}.weight"), &[hidden])?, eps)
     };
     let per_layer = if c.hidden_size_per_layer_input > 0 {
         let width = c.hidden_size_per_layer_input;
@@ -130,7 +132,11 @@ pub(crate) fn load_layer(
         pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
         post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
         per_layer,
-        layer_scalar: w.get(&format!("{p}layer_scalar"), &[1])?,
+        layer_scalar: if variant.layer_scalar {
+            Some(w.get(&format!("{p}layer_scalar"), &[1])?)
+        } else {
+            None
+        },
     })
 }
 
@@ -172,7 +178,7 @@ impl DecoderLayer {
             Some(moe) => moe.forward(&h, &ff, act, ops)?,
             None => ff,
         };
-        let scalar = Some(&self.layer_scalar);
+        let scalar = self.layer_scalar.as_ref();
         match (&self.per_layer, per_layer) {
             (Some(pl), Some(inputs)) => {
                 let (h, _) =

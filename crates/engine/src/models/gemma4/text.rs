@@ -9,7 +9,7 @@ use mlx::{Array, ops};
 use serde_json::Value;
 
 use super::attention::{Append, Context, Position, Rope};
-use super::config::Gemma4TextConfig;
+use super::config::{Gemma4TextConfig, Variant};
 use super::layer::{DecoderLayer, load_layer};
 use super::processor::Gemma4Images;
 use super::vision::{Gemma4Vision, VisionConfig};
@@ -31,14 +31,24 @@ struct Ple {
     width: i32,
 }
 
-/// The Gemma 4 text decoder with its tied head.
+/// What a decoder is built from: the text config, where its tensors are, its [`Variant`], and
+/// its images (the family's vision port, and whether image blocks attend both ways).
+pub(crate) struct Parts {
+    pub(crate) config: Gemma4TextConfig,
+    pub(crate) prefix: String,
+    pub(crate) variant: Variant,
+    pub(crate) images: Option<Box<dyn Vision>>,
+    pub(crate) bidirectional_vision: bool,
+}
+
+/// The Gemma text decoder with its head: Gemma 4's, and Gemma 3's (see [`Variant`]).
 #[derive(Debug)]
 pub struct Gemma4Text {
     /// The weights of the text path (what a compiled decode step captures).
     decoder: Decoder,
     activations: Activations,
     /// The vision tower with its image tokens, on a checkpoint that has one.
-    images: Option<Gemma4Images>,
+    images: Option<Box<dyn Vision>>,
     /// `use_bidirectional_attention == "vision"`: image blocks attend both ways in prefill.
     bidirectional_vision: bool,
     /// The final-normed hidden state of the last forward pass's rows (a handle into its graph:
@@ -54,6 +64,7 @@ pub struct Gemma4Text {
 #[derive(Debug, Clone)]
 struct Decoder {
     config: Gemma4TextConfig,
+    variant: Variant,
     embed_tokens: Embedding,
     ple: Option<Ple>,
     layers: Vec<DecoderLayer>,
@@ -82,8 +93,43 @@ impl Gemma4Text {
     /// Builds the model from an opened `gemma4` or `gemma4_text` checkpoint directory.
     pub fn from_dir(dir: &ModelDir, options: &LoadOptions) -> Result<Gemma4Text> {
         let ops = Ops::new(&options.kernels);
+        let (config, prefix) = Gemma4TextConfig::from_checkpoint_config(&dir.config)?;
+        let top = &dir.config;
+        let images: Option<Box<dyn Vision>> = match top.get("vision_config") {
+            Some(v)
+                if !v.is_null()
+                    && dir
+                        .tensors
+                        .contains_key("vision_tower.patch_embedder.input_proj.weight") =>
+            {
+                let vc: VisionConfig =
+                    serde_json::from_value(v.clone()).map_err(|e| Error::Config {
+                        file: "config.json".into(),
+                        message: format!("vision_config: {e}"),
+                    })?;
+                let tower = Gemma4Vision::load(&dir.weights("")?, vc, config.hidden_size, &ops)?;
+                Some(Box::new(Gemma4Images::new(tower, top)?))
+            }
+            _ => None,
+        };
+        let bidirectional_vision = top
+            .get("text_config")
+            .and_then(|t| t.get("use_bidirectional_attention"))
+            .and_then(Value::as_str)
+            == Some("vision");
+        let parts = Parts { config, prefix, variant: Variant::GEMMA4, images, bidirectional_vision };
+        Gemma4Text::build(dir, parts, ops, options)
+    }
+
+    /// The decoder of `parts` over the weights of `dir`, its passes run by `ops`.
+    pub(crate) fn build(
+        dir: &ModelDir,
+        parts: Parts,
+        ops: Ops,
+        options: &LoadOptions,
+    ) -> Result<Gemma4Text> {
+        let Parts { config, mut prefix, variant, images, bidirectional_vision } = parts;
         let stack = options.stacks_projections(ops.has_kernels());
-        let (config, mut prefix) = Gemma4TextConfig::from_checkpoint_config(&dir.config)?;
         // Hugging Face layout of the multimodal checkpoint: `model.language_model.*`.
         if prefix == "language_model.model." && !dir.tensors.keys().any(|k| k.starts_with(&prefix))
         {
@@ -135,9 +181,9 @@ impl Gemma4Text {
                     ),
                 })?;
             }
-            layers.push(load_layer(&w, c, i, i >= first_shared, stack)?);
+            layers.push(load_layer(&w, c, &variant, i, i >= first_shared, stack)?);
         }
-        let norm = RmsNorm::new(w.get("norm.weight", &[hidden])?, c.rms_norm_eps);
+        let norm = variant.norm(w.get("norm.weight", &[hidden])?, c.rms_norm_eps)?;
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
@@ -166,8 +212,13 @@ impl Gemma4Text {
         };
         let scalar = |v: f64| mlx::Array::scalar_as(v, dtype);
         let ple_width = f64::from(config.hidden_size_per_layer_input.max(1));
+        let embed_scale = f64::from(config.hidden_size).sqrt();
         let constants = Constants {
-            embed_scale: scalar(f64::from(config.hidden_size).sqrt())?,
+            embed_scale: if variant.embed_scale_bf16 {
+                Array::scalar_as(embed_scale, mlx::Dtype::Bfloat16)?.astype(dtype)?
+            } else {
+                scalar(embed_scale)?
+            },
             ple_token_scale: scalar(ple_width.sqrt())?,
             ple_projection_scale: scalar(f64::from(config.hidden_size).powf(-0.5))?,
             ple_input_scale: scalar(2f64.powf(-0.5))?,
@@ -176,33 +227,10 @@ impl Gemma4Text {
                 _ => None,
             },
         };
-        let top = &dir.config;
-        let vision = match top.get("vision_config") {
-            Some(v)
-                if !v.is_null()
-                    && dir
-                        .tensors
-                        .contains_key("vision_tower.patch_embedder.input_proj.weight") =>
-            {
-                let vc: VisionConfig =
-                    serde_json::from_value(v.clone()).map_err(|e| Error::Config {
-                        file: "config.json".into(),
-                        message: format!("vision_config: {e}"),
-                    })?;
-                let tower = Gemma4Vision::load(&dir.weights("")?, vc, config.hidden_size, &ops)?;
-                Some(Gemma4Images::new(tower, top)?)
-            }
-            _ => None,
-        };
-        let bidirectional_vision = dir
-            .config
-            .get("text_config")
-            .and_then(|t| t.get("use_bidirectional_attention"))
-            .and_then(Value::as_str)
-            == Some("vision");
         let decoder = Decoder {
             constants,
             config,
+            variant,
             embed_tokens,
             ple,
             layers,
@@ -215,7 +243,7 @@ impl Gemma4Text {
         };
         Ok(Gemma4Text {
             decoder,
-            images: vision,
+            images,
             bidirectional_vision,
             last_hidden: RefCell::new(None),
             decode_graphs: DecodeGraphs::new(options.compiles_decode()),
@@ -357,7 +385,8 @@ impl Decoder {
         let (ops, append, rows) = (pass.ops, pass.append, pass.rows);
         if caches.len() != self.first_shared {
             return Err(Error::InvalidRequest(format!(
-                "Gemma 4 needs {} caches, got {}",
+                "{} needs {} caches, got {}",
+                self.variant.family,
                 self.first_shared,
                 caches.len()
             )));
@@ -485,7 +514,7 @@ impl Model for Gemma4Text {
     }
 
     fn vision(&self) -> Option<&dyn Vision> {
-        self.images.as_ref().map(|v| v as &dyn Vision)
+        self.images.as_deref()
     }
 
     fn forward_multimodal(
@@ -564,7 +593,7 @@ impl Model for Gemma4Text {
     }
 
     fn assistant_rows(&self) -> Option<&dyn AssistantRows> {
-        Some(self)
+        self.decoder.variant.assistant_port.then_some(self as &dyn AssistantRows)
     }
 
     fn eos_token_ids(&self) -> Vec<u32> {
