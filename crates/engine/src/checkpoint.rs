@@ -195,13 +195,20 @@ impl Weights<'_> {
         format!("{}{name}", self.prefix)
     }
 
+    /// The tensor `name`, whatever its shape (the caller checks it).
+    pub fn tensor(&self, name: &str) -> Result<Array> {
+        let full = self.full(name);
+        self.dir
+            .tensors
+            .get(&full)
+            .cloned()
+            .ok_or_else(|| Error::MissingTensor { name: full, dir: self.dir.path.clone() })
+    }
+
     /// The tensor `name`, checked against `shape`.
     pub fn get(&self, name: &str, shape: &[i32]) -> Result<Array> {
         let full = self.full(name);
-        let array = self.dir.tensors.get(&full).cloned().ok_or_else(|| Error::MissingTensor {
-            name: full.clone(),
-            dir: self.dir.path.clone(),
-        })?;
+        let array = self.tensor(name)?;
         let actual = array.shape();
         if actual != shape {
             return Err(Error::TensorShape { name: full, actual, expected: shape.to_vec() });

@@ -55,7 +55,7 @@ pub const FAMILIES: &[Family] = &[
         name: "Gemma 3",
         model_types: &["gemma3", "gemma3_text"],
         loader: Loader::Model(models::gemma3::load),
-        takes_images: |_| false,
+        takes_images: models::gemma3::takes_images,
     },
     Family {
         name: "Gemma 4 assistant",

@@ -1,5 +1,5 @@
 //! Images for vision models: decoding with clear errors and bounded memory
-//! ([`image::load_rgb`]), PIL-exact bicubic resampling ([`image::resize_bicubic`]), and the
+//! ([`image::load_rgb`]), PIL-exact bicubic and bilinear resampling ([`image::resize_bicubic`], [`image::resize_bilinear`]), and the
 //! [`Vision`] port a model with a vision tower offers: its own preprocessing, its image tokens
 //! and its encoder.
 
@@ -9,6 +9,7 @@ use ::image::RgbImage;
 use mlx::Array;
 
 use crate::error::Result;
+use crate::tokenizer::Tokenizer;
 
 /// An image ready for a vision tower.
 #[derive(Debug)]
@@ -44,4 +45,17 @@ pub trait Vision: std::fmt::Debug {
     /// `soft_tokens[i]` image tokens; an error when the template marked another number of
     /// images than were given.
     fn expand(&self, tokens: &[u32], soft_tokens: &[usize]) -> Result<Vec<u32>>;
+    /// For a model whose processor writes the image block into the prompt's text (so that it
+    /// merges with the text around it when tokenized), the rendered prompt `rendered` with
+    /// each image the chat template marked expanded; `None` for a model that expands token
+    /// ids ([`Vision::expand`]).
+    fn expand_text(
+        &self,
+        rendered: &str,
+        soft_tokens: &[usize],
+        tokenizer: &Tokenizer,
+    ) -> Option<Result<String>> {
+        let _ = (rendered, soft_tokens, tokenizer);
+        None
+    }
 }

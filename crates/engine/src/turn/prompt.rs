@@ -55,16 +55,20 @@ pub(super) fn render(
         let last = messages.last().map_or("", |m| m.text.as_str());
         return tokenizer.encode(last, true);
     }
-    let tokens = tokenizer.encode_chat(&template_messages(messages), open)?;
     if prepared.is_empty() {
-        return Ok(tokens);
+        return tokenizer.encode_chat(&template_messages(messages), open);
     }
     let vision = chat
         .model()
         .vision()
         .ok_or_else(|| Error::InvalidRequest("this model does not take images".into()))?;
     let counts: Vec<usize> = prepared.iter().map(|p| p.soft_tokens).collect();
-    vision.expand(&tokens, &counts)
+    // The template writes its own BOS: no special tokens are added.
+    let text = tokenizer.render(&template_messages(messages), open)?;
+    match vision.expand_text(&text, &counts, tokenizer) {
+        Some(expanded) => tokenizer.encode(&expanded?, false),
+        None => vision.expand(&tokenizer.encode(&text, false)?, &counts),
+    }
 }
 
 /// Messages as chat templates see them: each image a part before the text.

@@ -139,15 +139,32 @@ fn bicubic(x: f64) -> f64 {
     }
 }
 
+/// PIL's bilinear (triangle) kernel.
+fn bilinear(x: f64) -> f64 {
+    let x = x.abs();
+    if x < 1.0 { 1.0 - x } else { 0.0 }
+}
+
+/// A resampling filter of PIL's: its kernel and the kernel's support (in input pixels, at
+/// scale 1).
+#[derive(Debug, Clone, Copy)]
+struct Filter {
+    kernel: fn(f64) -> f64,
+    support: f64,
+}
+
+const BICUBIC: Filter = Filter { kernel: bicubic, support: 2.0 };
+const BILINEAR: Filter = Filter { kernel: bilinear, support: 1.0 };
+
 /// Fixed-point precision of PIL's 8-bit resampler.
 const PRECISION_BITS: u32 = 32 - 8 - 2;
 
 /// Per output pixel: first input index and integer weights, as PIL's `precompute_coeffs` and
 /// `normalize_coeffs_8bpc` make them.
-fn coefficients(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
+fn coefficients(filter: Filter, in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
     let scale = in_size as f64 / out_size as f64;
     let filter_scale = scale.max(1.0);
-    let support = 2.0 * filter_scale;
+    let support = filter.support * filter_scale;
     (0..out_size)
         .map(|xx| {
             let center = (xx as f64 + 0.5) * scale;
@@ -155,7 +172,7 @@ fn coefficients(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
             let xmin = ((center - support + 0.5) as i64).max(0) as usize;
             let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
             let weights: Vec<f64> =
-                (xmin..xmax).map(|x| bicubic((x as f64 - center + 0.5) * inv)).collect();
+                (xmin..xmax).map(|x| (filter.kernel)((x as f64 - center + 0.5) * inv)).collect();
             let total: f64 = weights.iter().sum();
             let ints = weights
                 .iter()
@@ -181,27 +198,37 @@ fn clip8(acc: i64) -> u8 {
 /// Pillow 13.0.0 over 562 shapes without an exception. A pass whose size does not change is
 /// skipped.
 pub fn resize_bicubic(image: &RgbImage, width: u32, height: u32) -> RgbImage {
+    resize(image, width, height, BICUBIC)
+}
+
+/// Resizes like PIL's `Image.resize((w, h), Image.BILINEAR)` (Pillow 13), by the same two
+/// passes as [`resize_bicubic`] with PIL's triangle kernel.
+pub fn resize_bilinear(image: &RgbImage, width: u32, height: u32) -> RgbImage {
+    resize(image, width, height, BILINEAR)
+}
+
+fn resize(image: &RgbImage, width: u32, height: u32, filter: Filter) -> RgbImage {
     let (in_w, in_h) = (image.width() as usize, image.height() as usize);
     let (out_w, out_h) = (width as usize, height as usize);
     let src = image.as_raw().clone();
     let vertical_first = out_h < in_h && (in_h - out_h) as i64 > 2 * (in_w as i64 - out_w as i64);
     let pixels = if vertical_first {
-        let tall = resample_rows(&src, in_w, in_h, out_h);
-        resample_columns(&tall, in_w, out_h, out_w)
+        let tall = resample_rows(filter, &src, in_w, in_h, out_h);
+        resample_columns(filter, &tall, in_w, out_h, out_w)
     } else {
-        let wide = resample_columns(&src, in_w, in_h, out_w);
-        resample_rows(&wide, out_w, in_h, out_h)
+        let wide = resample_columns(filter, &src, in_w, in_h, out_w);
+        resample_rows(filter, &wide, out_w, in_h, out_h)
     };
     RgbImage::from_raw(width, height, pixels).unwrap_or_else(|| unreachable!("buffer sized w·h·3"))
 }
 
 /// The horizontal pass: `w × h` RGB to `out_w × h`.
-fn resample_columns(src: &[u8], w: usize, h: usize, out_w: usize) -> Vec<u8> {
+fn resample_columns(filter: Filter, src: &[u8], w: usize, h: usize, out_w: usize) -> Vec<u8> {
     if out_w == w {
         return src.to_vec();
     }
     let round = 1i64 << (PRECISION_BITS - 1);
-    let coeffs = coefficients(w, out_w);
+    let coeffs = coefficients(filter, w, out_w);
     let mut out = vec![0u8; out_w * h * 3];
     for y in 0..h {
         let row = &src[y * w * 3..(y + 1) * w * 3];
@@ -219,12 +246,12 @@ fn resample_columns(src: &[u8], w: usize, h: usize, out_w: usize) -> Vec<u8> {
 }
 
 /// The vertical pass: `w × h` RGB to `w × out_h`.
-fn resample_rows(src: &[u8], w: usize, h: usize, out_h: usize) -> Vec<u8> {
+fn resample_rows(filter: Filter, src: &[u8], w: usize, h: usize, out_h: usize) -> Vec<u8> {
     if out_h == h {
         return src.to_vec();
     }
     let round = 1i64 << (PRECISION_BITS - 1);
-    let coeffs = coefficients(h, out_h);
+    let coeffs = coefficients(filter, h, out_h);
     let mut out = vec![0u8; w * out_h * 3];
     for (y, (start, weights)) in coeffs.iter().enumerate() {
         for x in 0..w {
@@ -250,7 +277,9 @@ mod tests {
         assert_eq!(bicubic(1.0), 0.0);
         assert_eq!(bicubic(2.5), 0.0);
         // Weights of one output pixel sum to one (in fixed point, within rounding).
-        for (_, w) in coefficients(100, 37) {
+        for (_, w) in
+            coefficients(BICUBIC, 100, 37).into_iter().chain(coefficients(BILINEAR, 100, 37))
+        {
             let sum: i64 = w.iter().map(|&v| i64::from(v)).sum();
             assert!((sum - (1i64 << PRECISION_BITS)).abs() <= w.len() as i64, "{sum}");
         }
@@ -259,9 +288,10 @@ mod tests {
     #[test]
     fn a_flat_image_stays_flat_and_sizes_are_exact() {
         let flat = RgbImage::from_pixel(50, 30, ::image::Rgb([10, 200, 77]));
-        let out = resize_bicubic(&flat, 17, 61);
-        assert_eq!((out.width(), out.height()), (17, 61));
-        assert!(out.pixels().all(|p| p.0 == [10, 200, 77]));
+        for out in [resize_bicubic(&flat, 17, 61), resize_bilinear(&flat, 17, 61)] {
+            assert_eq!((out.width(), out.height()), (17, 61));
+            assert!(out.pixels().all(|p| p.0 == [10, 200, 77]));
+        }
     }
 
     #[test]

@@ -146,8 +146,12 @@ pub fn text_config(config: &Value) -> Result<(Gemma4TextConfig, String)> {
     // `layer_types`; where a config has both, they must agree.
     let layer_types: Vec<String> = (0..c.num_hidden_layers)
         .map(|i| {
-            if (i + 1) % c.sliding_window_pattern == 0 { "full_attention" } else { "sliding_attention" }
-                .to_string()
+            if (i + 1) % c.sliding_window_pattern == 0 {
+                "full_attention"
+            } else {
+                "sliding_attention"
+            }
+            .to_string()
         })
         .collect();
     if let Some(given) = &c.layer_types
@@ -248,7 +252,10 @@ mod tests {
         assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (8, 4, 256));
         assert_eq!(c.vocab_size, 262_208);
         let full = &c.rope_parameters["full_attention"];
-        assert_eq!((full.rope_type.as_str(), full.factor, full.rope_theta), ("linear", Some(8.0), 1e6));
+        assert_eq!(
+            (full.rope_type.as_str(), full.factor, full.rope_theta),
+            ("linear", Some(8.0), 1e6)
+        );
         assert_eq!(c.rope_parameters["sliding_attention"].rope_theta, 1e4);
         assert_eq!(c.attention_scale, Some(1.0 / 16.0));
         assert_eq!(c.eos_token_id, Some(serde_json::json!([1, 106])));
@@ -263,13 +270,21 @@ mod tests {
             c[key] = value;
             text_config(&c).unwrap_err().to_string()
         };
-        assert!(with("rope_scaling", serde_json::json!({"rope_type": "yarn", "factor": 2}))
-            .contains("rope_scaling.rope_type"));
-        assert!(with("attn_logit_softcapping", serde_json::json!(50.0))
-            .contains("attn_logit_softcapping"));
-        assert!(with("use_bidirectional_attention", serde_json::json!(true))
-            .contains("use_bidirectional_attention"));
-        assert!(with("layer_types", serde_json::json!(["full_attention", "full_attention"]))
-            .contains("layer_types"));
+        assert!(
+            with("rope_scaling", serde_json::json!({"rope_type": "yarn", "factor": 2}))
+                .contains("rope_scaling.rope_type")
+        );
+        assert!(
+            with("attn_logit_softcapping", serde_json::json!(50.0))
+                .contains("attn_logit_softcapping")
+        );
+        assert!(
+            with("use_bidirectional_attention", serde_json::json!(true))
+                .contains("use_bidirectional_attention")
+        );
+        assert!(
+            with("layer_types", serde_json::json!(["full_attention", "full_attention"]))
+                .contains("layer_types")
+        );
     }
 }

@@ -117,7 +117,8 @@ impl Gemma4Text {
             .and_then(|t| t.get("use_bidirectional_attention"))
             .and_then(Value::as_str)
             == Some("vision");
-        let parts = Parts { config, prefix, variant: Variant::GEMMA4, images, bidirectional_vision };
+        let parts =
+            Parts { config, prefix, variant: Variant::GEMMA4, images, bidirectional_vision };
         Gemma4Text::build(dir, parts, ops, options)
     }
 
