@@ -125,6 +125,7 @@ lint: app-inputs
 # The committed goldens must still be what the pinned reference produces.
 golden-check: setup
 	$(VENV_PY) tests/golden/gemma4/make_golden.py --check
+	$(VENV_PY) tests/golden/gemma3/make_golden.py --check
 	$(VENV_PY) tests/golden/tokenizer/make_golden.py --check
 	$(VENV_PY) tests/golden/vision/make_golden.py --check
 	$(VENV_PY) tests/golden/assistant/make_golden.py --check
@@ -182,6 +183,7 @@ bundle: app-inputs
 fixtures: setup
 	$(VENV_PY) tests/golden/ops/make_fixtures.py
 	$(VENV_PY) tests/golden/gemma4/make_golden.py
+	$(VENV_PY) tests/golden/gemma3/make_golden.py
 	$(VENV_PY) tests/golden/tokenizer/make_golden.py
 	$(VENV_PY) tests/golden/vision/make_golden.py
 

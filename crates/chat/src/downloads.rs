@@ -110,6 +110,15 @@ const RECOMMENDED: &[Recommended] = &[
         vision: true,
     },
     Recommended {
+        repo: "mlx-community/gemma-3-1b-it-4bit",
+        name: "Gemma 3 1B",
+        model_type: "gemma3_text",
+        description: "Gemma 3, tiny and fast; text only.",
+        weight_bytes: 730 * MB,
+        kv_bytes: 60 * MB,
+        vision: false,
+    },
+    Recommended {
         repo: "mlx-community/gemma-3-4b-it-4bit",
         name: "Gemma 3 4B",
         model_type: "gemma3",
@@ -737,12 +746,14 @@ impl Chat {
 mod tests {
     use super::*;
 
-    /// The catalog offers only what the registry loads, each entry with its family's role; the
-    /// entries of families still to come (Gemma 3 today) stay out until their family lands.
+    /// The catalog offers only what the registry loads (Gemma 4 and Gemma 3 today), each entry
+    /// with its family's role.
     #[test]
     fn the_catalog_offers_only_what_the_registry_loads() {
         let offered: Vec<&str> = recommended().map(|r| r.repo).collect();
-        assert!(offered.iter().any(|r| r.contains("gemma-4")), "{offered:?}");
+        for family in ["gemma-4", "gemma-3"] {
+            assert!(offered.iter().any(|r| r.contains(family)), "{family}: {offered:?}");
+        }
         for r in RECOMMENDED {
             match engine::registry::family(r.model_type) {
                 Some(family) => {

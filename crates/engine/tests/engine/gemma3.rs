@@ -7,11 +7,14 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use engine::LoadOptions;
 use engine::generate::{Flow, GenerateRequest, generate, prefill_multimodal};
 use engine::models::gemma3::processor::expand_text;
 use engine::models::{Model, Phase, Rows};
+use engine::speculative::Speculation;
 use engine::tokenizer::{Message, Tokenizer};
 use engine::tokens::ids as token_array;
+use engine::turn::{ChatModel, Drafters, Prompt, ResumeCandidate, Turn};
 use engine::vision::image::{load_rgb, resize_bilinear};
 use mlx::{Array, Dtype};
 use serde_json::Value;
@@ -244,5 +247,62 @@ fn image_blocks_are_written_into_the_text_as_the_reference_processor_writes_them
         let want: Vec<u64> =
             want["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
         assert_eq!(ids, want, "{case}");
+    }
+}
+
+/// Through the turn API, on the vision checkpoint: a text turn, then an image turn that
+/// resumes from the first turn's checkpoint (the image block appended at offset > 0). The
+/// resumed turn answers as a cold turn over the whole conversation does, with plain decoding,
+/// prompt lookup, and a draft model (the text checkpoint at 4 bits: same vocabulary, other
+/// weights, drafts mostly wrong).
+#[test]
+fn turns_resume_from_checkpoints_and_speculate_to_the_plain_reply() {
+    let dir = golden_dir("vlm");
+    let chat = ChatModel::load(&dir, &LoadOptions::default()).unwrap();
+    let mut drafters = Drafters::new(LoadOptions::default());
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |drafters: &mut Drafters, turn: Turn| {
+        chat.answer(&turn, drafters, |_| Flow::Continue).unwrap()
+    };
+    let first: Vec<u32> = std::iter::once(2).chain((0..20).map(|i| (i * 37 % 400) + 3)).collect();
+    let one = run(
+        &mut drafters,
+        Turn {
+            max_tokens: 12,
+            checkpoint_to: Some(tmp.path().join("turn1.safetensors")),
+            ..Turn::new(Prompt::Tokens { ids: first, images: Vec::new() })
+        },
+    );
+    let checkpoint = one.checkpoint.expect("the first turn's checkpoint");
+    let mut second = checkpoint.tokens.clone();
+    second.extend([501, 500, 500, 500, 500, 502, 41, 97, 203, 7, 350]);
+    let image = golden_dir("").join("../vision/images/rgb_640x480.png");
+    let prompt = Prompt::Tokens { ids: second, images: vec![image] };
+    let cold = run(&mut drafters, Turn { max_tokens: 24, ..Turn::new(prompt.clone()) });
+    assert_eq!(cold.stats.reused_tokens, 0);
+    let candidate = ResumeCandidate {
+        id: 7,
+        path: checkpoint.file.path.clone(),
+        sha256: checkpoint.file.sha256.clone(),
+        tokens: checkpoint.tokens.clone(),
+    };
+    for speculation in
+        [Speculation::Off, Speculation::Lookup, Speculation::Draft { model: golden_dir("text_q4") }]
+    {
+        let warm = run(
+            &mut drafters,
+            Turn {
+                max_tokens: 24,
+                resume: vec![candidate.clone()],
+                speculation: speculation.clone(),
+                ..Turn::new(prompt.clone())
+            },
+        );
+        assert_eq!(warm.resumed_from, Some(7), "{speculation:?}");
+        assert_eq!(warm.stats.reused_tokens, checkpoint.tokens.len(), "{speculation:?}");
+        assert_eq!(warm.tokens, cold.tokens, "{speculation:?}: resumed = cold, and = plain");
+        if speculation != Speculation::Off {
+            assert!(warm.stats.spec.as_ref().is_some_and(|s| s.rounds > 0), "{speculation:?}");
+        }
     }
 }
