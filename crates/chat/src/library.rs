@@ -174,9 +174,30 @@ mod tests {
         std::fs::write(repo.join("refs/main"), "abc123\n").unwrap();
         model(&root.path().join("models--org--llama/snapshots/def"), "llama", false);
         std::fs::create_dir_all(root.path().join("datasets--org--data/snapshots/x")).unwrap();
+        // Gemma 3, as other tools download it: the vision model and the 1B text one.
+        model(
+            &root.path().join("models--mlx-community--gemma-3-4b-it-4bit/snapshots/g3"),
+            "gemma3",
+            true,
+        );
+        model(
+            &root.path().join("models--google--gemma-3-1b-it/snapshots/g1"),
+            "gemma3_text",
+            false,
+        );
 
-        let found = scan_hf_cache(root.path());
-        assert_eq!(found.len(), 1, "{found:?}");
+        let mut found = scan_hf_cache(root.path());
+        found.sort_by(|a, b| a.name.cmp(&b.name));
+        let seen: Vec<(&str, bool)> = found.iter().map(|m| (m.name.as_str(), m.vision)).collect();
+        assert_eq!(
+            seen,
+            [
+                ("google/gemma-3-1b-it", false),
+                ("mlx-community/gemma-3-4b-it-4bit", true),
+                ("mlx-community/gemma-4-e2b-it-4bit", true)
+            ]
+        );
+        let found: Vec<_> = found.into_iter().filter(|m| m.name.contains("gemma-4")).collect();
         assert_eq!(found[0].name, "mlx-community/gemma-4-e2b-it-4bit");
         assert_eq!(found[0].source, ModelSource::HfCache);
         assert!(found[0].path.ends_with("snapshots/abc123"));
