@@ -624,6 +624,74 @@ def model_goldens(model_inputs: dict, images: Path, log) -> tuple[dict, dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Image sizes drawn from a seed: noise images made in memory by a generator Rust repeats
+
+
+SIZES_SEED = 31
+SIZES = 20
+BUDGETS = (70, 140, 280)
+
+
+def noise(width: int, height: int, seed: int) -> np.ndarray:
+    """[H, W, 3] u8: a 32-bit integer hash of each byte's index (the test repeats it)."""
+    i = np.arange(width * height * 3, dtype=np.uint64)
+    v = (i * np.uint64(2654435761) + np.uint64(seed) * np.uint64(40503)) & np.uint64(0xFFFFFFFF)
+    v ^= v >> np.uint64(15)
+    v = (v * np.uint64(2246822519)) & np.uint64(0xFFFFFFFF)
+    v ^= v >> np.uint64(13)
+    return (v & np.uint64(255)).astype(np.uint8).reshape(height, width, 3)
+
+
+def draw_sizes() -> list:
+    """SIZES (width, height) from RandomState(SIZES_SEED): sides 17..1500, odd and even, aspect
+    ratios between 1:6 and 6:1."""
+    rng = np.random.RandomState(SIZES_SEED)
+    sizes = []
+    while len(sizes) < SIZES:
+        w, h = (int(x) for x in rng.randint(17, 1501, size=2))
+        if max(w, h) <= 6 * min(w, h):
+            sizes.append((w, h))
+    return sizes
+
+
+def size_goldens(log) -> tuple[dict, dict]:
+    """For every drawn size and budget: the processor's resized bytes and pixel values (as
+    sha256), and the image prompt's logits through mlx-vlm (one window, with the overlay) at
+    the first and last image token and the last position."""
+    with Captured():
+        model = mlx_vlm.utils.load_model(DENSE)
+    proc = Gemma4ImageProcessor()
+    lut = mlxvlm_lut()
+    meta = {"seed": SIZES_SEED, "budgets": list(BUDGETS), "cases": []}
+    tensors = {}
+    for k, (w, h) in enumerate(draw_sizes()):
+        rgb = noise(w, h, k)
+        for m in BUDGETS:
+            pv = np.asarray(proc(Image.fromarray(rgb), max_soft_tokens=m)[0]["pixel_values"])[0]
+            u8 = np.rint(pv * 255).astype(np.uint8)
+            assert np.array_equal(lut[u8].view(np.uint32), pv.view(np.uint32)), "not the table"
+            n = int((pv.shape[1] // SIDE) * (pv.shape[2] // SIDE))
+            ids = np.array([BOS] + text_ids(401, 5) + image_span(n) + text_ids(402, 6))
+            logits = np.array(model(mx.array(ids)[None], pixel_values=mx.array(pv[None]),
+                                    mm_token_type_ids=mx.array(mm_token_type_ids(ids))[None])
+                              .logits[0].astype(mx.float32))
+            first = 1 + 5 + 1
+            rows = [first, first + n - 1, len(ids) - 1]
+            key = f"{w}x{h}@{m}"
+            meta["cases"].append({
+                "key": key, "seed": k, "width": w, "height": h, "budget": m,
+                "resized_hw": list(pv.shape[1:]), "soft_tokens": n, "prompt_len": len(ids),
+                "rows": rows,
+                "u8_chw_sha256": sha256(u8.tobytes()),
+                "f32_chw_sha256": sha256(pv.astype("<f4").tobytes()),
+            })
+            tensors[f"{key}.ids"] = ids.astype(np.int32)
+            tensors[f"{key}.logits"] = logits[rows]
+    log(f"sizes: {len(meta['cases'])} cases")
+    return meta, tensors
+
+
+# ---------------------------------------------------------------------------------------------
 # Writing and --check
 
 
@@ -651,9 +719,13 @@ def generate(out: Path, log=print) -> None:
     vmeta, vtensors = model_goldens(model_inputs, images, log)
     save_json(out / "vision.json", vmeta)
     save_tensors(out / "vision.safetensors", vtensors)
+    smeta, stensors = size_goldens(log)
+    save_json(out / "sizes.json", smeta)
+    save_tensors(out / "sizes.safetensors", stensors)
 
 
-OUTPUTS = ["preprocess.json", "preprocess.safetensors", "vision.json", "vision.safetensors"]
+OUTPUTS = ["preprocess.json", "preprocess.safetensors", "vision.json", "vision.safetensors",
+           "sizes.json", "sizes.safetensors"]
 
 
 def compare_json(a, b, where: str, errors: list) -> None:

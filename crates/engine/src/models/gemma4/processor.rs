@@ -1,5 +1,5 @@
 //! Gemma 4's images: mlx-vlm 0.7.10's preprocessing (an aspect-preserving resize to the largest
-//! size whose 48-px multiples fit the patch budget, PIL bicubic, values scaled to [0, 1]; the
+//! size whose 48-px multiples fit the patch budget, PIL bicubic, values times `1/255` in float32; the
 //! tower maps them to [−1, 1]), the image block `boi, image × n, eoi`, and the tower, as the
 //! [`Vision`] port.
 
@@ -54,14 +54,22 @@ pub fn preprocess(image: &RgbImage, max_soft_tokens: usize) -> Result<PreparedIm
     }
     let (width, height) = target_size(image.width(), image.height(), max_soft_tokens);
     let resized = resize_bicubic(image, width, height);
-    // HWC u8 → CHW f32 / 255.
-    let hwc = Array::from_slice(resized.as_raw(), &[height as i32, width as i32, 3])?;
-    let pixels = hwc
-        .astype(mlx::Dtype::Float32)?
-        .divide(&Array::scalar(255.0f32)?)?
-        .transpose(&[2, 0, 1])?;
+    let pixels = rescale(&resized)?;
     let soft_tokens = ((height / (PATCH * POOL)) * (width / (PATCH * POOL))) as usize;
     Ok(PreparedImage { pixels, height, width, soft_tokens, resized })
+}
+
+/// HWC u8 → CHW f32 `[3, H, W]` as mlx-vlm's `Gemma4ImageProcessor` rescales:
+/// `image.astype(float32) * (1 / 255)`, a float32 product. (A division by 255 differs in the
+/// last bit for about half of the byte values, which a tower and a decoder amplify past 1e-4
+/// in the logits.)
+pub fn rescale(image: &RgbImage) -> Result<Array> {
+    let (w, h) = (image.width() as i32, image.height() as i32);
+    let hwc = Array::from_slice(image.as_raw(), &[h, w, 3])?;
+    Ok(hwc
+        .astype(mlx::Dtype::Float32)?
+        .multiply(&Array::scalar(1.0f32 / 255.0)?)?
+        .transpose(&[2, 0, 1])?)
 }
 
 /// Expands a rendered prompt for its images: after the i-th begin-of-image token `boi` (which
