@@ -60,8 +60,8 @@ async function waitForView(s, what, predicate, timeoutMs = 30000, everyMs = 100)
 
 const last = (v, role) => v.messages.filter((m) => m.role === role).at(-1);
 
-async function waitForModel(s) {
-  await s.waitFor("the demo model to load", async () => (await view(s)).model === "Demo (untrained)", 60000);
+async function waitForModel(s, timeoutMs = 60000) {
+  await s.waitFor("the demo model to load", async () => (await view(s)).model === "Demo (untrained)", timeoutMs);
 }
 
 async function setMaxTokens(s, n) {
@@ -105,7 +105,8 @@ async function main() {
     assert.equal(v.messages[0].text, "Hello, who are you?");
     assert.equal(v.model, "Loading…", "sent while the model loads");
     await shot(s, "waiting-for-model");
-    await waitForModel(s);
+    // Building the kernels takes about half a minute on two idle cores.
+    await waitForModel(s, 240000);
     v = await waitForReply(s, 1);
     assert.equal(last(v, "assistant").state, "complete");
     assert.ok(!v.waiting && !v.unanswered && !v.error, JSON.stringify(v));

@@ -501,11 +501,16 @@ fn rows_match_their_kept_decodes(
                 .attend(&row_at(&q, b32, 0, 1), 0.5)
                 .unwrap();
             let xb = row_at(&x, b32, 0, 1);
-            if pads[b] == 0 {
+            // One row of a batched read is the row's own read bit for bit on the CPU, and a
+            // padded row's within 1e-6. MLX's CUDA attention tiles a batch differently (on the
+            // H200 a padded row's read was 8.8e-5 off), so there both are equal within 5e-4.
+            let cuda = mlx::Backend::current() == mlx::Backend::Cuda;
+            if pads[b] == 0 && !cuda {
                 assert!(bitwise_equal(&xb, &y), "row {b}'s next read differs: {context}");
             } else {
                 let diff = max_diff(&xb, &y);
-                assert!(diff <= 1e-6, "row {b}'s padded read is off by {diff}: {context}");
+                let tolerance = if cuda { 5e-4 } else { 1e-6 };
+                assert!(diff <= tolerance, "row {b}'s read is off by {diff}: {context}");
             }
         }
     }

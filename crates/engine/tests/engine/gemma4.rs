@@ -236,7 +236,11 @@ fn stacked_and_fused_decode_matches_separate_projections_by_mlx_ops() {
         stacked_projections: Some(false),
         compiled_decode: Some(false),
     };
-    for (name, tolerance) in [("dense", 1e-4), ("k_eq_v", 1e-4), ("dense_q4", 1e-4)] {
+    // On the CPU the two stay within 1e-4. On CUDA (MLX 0.32.4, H200) they drift further
+    // apart: 1.7e-4 after a 3-token prefill of `dense`, 1.0e-3 and then 3.3e-3 in the first
+    // decode steps; a bound for CUDA is still to be found.
+    let tolerance = 1e-4;
+    for name in ["dense", "k_eq_v", "dense_q4"] {
         let stacked = test_support::load_with(&golden_dir(name), &kernels);
         let separate = test_support::load_with(&golden_dir(name), &mlx_ops);
         assert!(!separate.ops().has_kernels());
@@ -246,7 +250,8 @@ fn stacked_and_fused_decode_matches_separate_projections_by_mlx_ops() {
         let ids = token_array(&prompt).unwrap();
         let a = stacked.forward(&ids, &mut a_caches, Phase::Window).unwrap();
         let b = separate.forward(&ids, &mut b_caches, Phase::Window).unwrap();
-        assert!(max_diff(&a, &b) <= tolerance, "{name}: prefill logits differ");
+        let diff = max_diff(&a, &b);
+        assert!(diff <= tolerance, "{name}: prefill logits differ by {diff}");
         let pick = |x: &Array| {
             let picks = x.argmax(-1, false).unwrap().astype(mlx::Dtype::Int32).unwrap();
             *picks.to_vec::<i32>().unwrap().last().unwrap()
