@@ -12,6 +12,7 @@ mod bench;
 mod converse;
 mod demo;
 mod doctor;
+mod eval;
 mod generate;
 mod logits;
 mod options;
@@ -48,6 +49,8 @@ enum Command {
     BenchSpec(bench::spec::Args),
     /// Download a model from Hugging Face into the shared cache (resumes what is on disk).
     Pull(pull::Args),
+    /// Perplexity on a text, and each draft method's acceptance on prompts from it.
+    Eval(eval::EvalArgs),
 }
 
 /// The MLX environment settings Quince applied itself (dropped again for the reference's
@@ -71,5 +74,6 @@ fn main() -> anyhow::Result<()> {
         Command::BenchOps(args) => bench::ops::run(&args),
         Command::BenchSpec(args) => bench::spec::run(&args),
         Command::Pull(args) => pull::run(&args),
+        Command::Eval(args) => eval::run(&args),
     }
 }

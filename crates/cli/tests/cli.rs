@@ -676,3 +676,50 @@ fn pull_killed_mid_file_resumes_and_the_pulled_model_runs() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("quince-test/nothing") && stderr.contains("404"), "{stderr}");
 }
+
+/// `quince eval`: the perplexity of the golden prompt is the one the reference's own logits
+/// give (mlx-lm 0.32.2's, recorded in the golden file), and each draft method reports its
+/// acceptance on prompts from the same tokens.
+#[test]
+fn eval_perplexity_is_the_references_and_draft_methods_report_acceptance() {
+    let (prompt, _) = golden();
+    let ids: Vec<usize> = prompt.split(',').map(|t| t.parse().unwrap()).collect();
+    let file = mlx::io::load_safetensors(dense().join("golden.safetensors")).unwrap();
+    let logits: Vec<f32> =
+        file.tensors["logits"].astype(mlx::Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+    let vocab = logits.len() / ids.len();
+    // Mean negative log-likelihood of each next token under the reference's logits.
+    let mut nll = 0.0f64;
+    for i in 0..ids.len() - 1 {
+        let row = &logits[i * vocab..(i + 1) * vocab];
+        let max = row.iter().copied().fold(f32::MIN, f32::max) as f64;
+        let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+        nll += lse - row[ids[i + 1]] as f64;
+    }
+    let want = (nll / (ids.len() - 1) as f64).exp();
+
+    let out = quince()
+        .args(["eval", "--model"])
+        .arg(dense())
+        .args(["--tokens", &prompt, "--context", "40", "--json"])
+        .args(["--draft"])
+        .arg(root().join("tests/golden/gemma4/dense_q8"))
+        .args(["--prompts", "1", "--prompt-tokens", "40", "--gen-tokens", "24"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value =
+        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
+            .unwrap();
+    let got = json["perplexity"].as_f64().unwrap();
+    assert!((got - want).abs() <= 1e-4 * want, "perplexity {got}, the reference's {want}");
+    assert_eq!(json["scored_tokens"], 39);
+    let methods = json["speculation"].as_array().unwrap();
+    assert_eq!(methods.len(), 2, "lookup and the draft model: {json}");
+    for m in methods {
+        let rate = m["acceptance_rate"].as_f64().unwrap();
+        assert!(m["proposed"].as_u64().unwrap() > 0 && (0.0..=1.0).contains(&rate), "{m}");
+    }
+    // The 8-bit copy of the same weights agrees with them most of the time.
+    assert!(methods[1]["acceptance_rate"].as_f64().unwrap() > 0.5, "{}", methods[1]);
+}

@@ -1,0 +1,206 @@
+//! `quince eval`: quality figures for a checkpoint on a text. Perplexity as mlx-lm's
+//! `mlx_lm.perplexity` computes it (the tokens cut into rows of `--context`, each row's logits
+//! over all but its last token scored against the next tokens), and, on prompts taken from the
+//! same tokens, each draft method's acceptance rate, mean accepted length and decode speed
+//! against plain greedy decoding.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use engine::generate::{Flow, GenerateRequest, generate};
+use engine::models::{Model, Phase};
+use engine::speculative::draft_model::DraftModel;
+use engine::speculative::lookup::PromptLookup;
+use engine::speculative::{self, DraftLength, DraftMethod};
+use engine::tokens::ids;
+use serde_json::json;
+
+use crate::options::LoadArgs;
+
+/// Arguments of `quince eval`.
+#[derive(Debug, clap::Args)]
+pub struct EvalArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// UTF-8 text to score, tokenized with the model's tokenizer (BOS added, as mlx-lm does).
+    #[arg(long, conflicts_with = "tokens")]
+    text: Option<PathBuf>,
+    /// Token ids to score instead of a text, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    tokens: Vec<u32>,
+    /// Tokens per row: the text is cut into rows this long (the remainder is dropped).
+    #[arg(long, default_value_t = 512)]
+    context: usize,
+    /// Score at most this many rows (0: all).
+    #[arg(long, default_value_t = 0)]
+    rows: usize,
+    /// A draft model to measure besides prompt lookup.
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Speculation prompts: the first `--prompt-tokens` of this many rows (0: no speculation).
+    #[arg(long, default_value_t = 4)]
+    prompts: usize,
+    /// Tokens of each speculation prompt.
+    #[arg(long, default_value_t = 64)]
+    prompt_tokens: usize,
+    /// Tokens generated per prompt.
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Tokens a round drafts at most.
+    #[arg(long, default_value_t = 4)]
+    num_draft: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    load: LoadArgs,
+}
+
+/// Mean negative log-likelihood of each row's next tokens, and how many tokens were scored.
+fn mean_nll(model: &dyn Model, rows: &[&[u32]]) -> anyhow::Result<(f64, usize)> {
+    let mut total = 0.0f64;
+    let mut count = 0usize;
+    for row in rows {
+        let mut caches = model.fresh_caches()?;
+        let inputs = &row[..row.len() - 1];
+        let logits = model
+            .forward(&ids(inputs)?, &mut caches, Phase::Window)?
+            .astype(mlx::Dtype::Float32)?
+            .reshape(&[inputs.len() as i32, -1])?;
+        let targets = mlx::Array::from_slice(
+            &row[1..].iter().map(|&t| t as i32).collect::<Vec<_>>(),
+            &[inputs.len() as i32, 1],
+        )?;
+        let picked = logits.take_along_axis(&targets, -1)?.reshape(&[-1])?;
+        let nll = logits.logsumexp(&[-1], false)?.subtract(&picked)?;
+        total += f64::from(nll.sum_all(false)?.item::<f32>()?);
+        count += inputs.len();
+    }
+    Ok((total / count.max(1) as f64, count))
+}
+
+pub fn run(args: &EvalArgs) -> anyhow::Result<()> {
+    let options = args.load.options();
+    let model = engine::registry::load_model(&args.model, &options)?;
+    let tokens = match &args.text {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let tokenizer =
+                engine::tokenizer::Tokenizer::from_dir(&args.model)?.with_context(|| {
+                    format!("{} has no tokenizer: pass --tokens", args.model.display())
+                })?;
+            tokenizer.encode(&text, true)?
+        }
+        None => args.tokens.clone(),
+    };
+    if args.context < 2 {
+        bail!("--context must be at least 2");
+    }
+    let mut rows: Vec<&[u32]> = tokens.chunks_exact(args.context).collect();
+    if args.rows > 0 {
+        rows.truncate(args.rows);
+    }
+    if rows.is_empty() {
+        bail!(
+            "the text has {} tokens, fewer than one row of --context {}",
+            tokens.len(),
+            args.context
+        );
+    }
+    let (nll, scored) = mean_nll(model.as_ref(), &rows)?;
+    let perplexity = nll.exp();
+
+    // Speculation on prompts from the same rows, against plain greedy decoding.
+    let prompts: Vec<Vec<u32>> = rows
+        .iter()
+        .take(args.prompts)
+        .map(|row| row[..args.prompt_tokens.min(row.len())].to_vec())
+        .collect();
+    let mut methods: Vec<(String, Box<dyn DraftMethod>)> =
+        vec![("lookup".into(), Box::new(PromptLookup::default()))];
+    if let Some(dir) = &args.draft {
+        let draft = engine::registry::load_model(dir, &options)?;
+        methods.push((format!("draft {}", dir.display()), Box::new(DraftModel::new(draft))));
+    }
+    let length = DraftLength { max: args.num_draft, adaptive: true };
+    let mut plain_tok_s = Vec::new();
+    let mut reports = Vec::new();
+    if !prompts.is_empty() {
+        for prompt in &prompts {
+            let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
+            let mut caches = model.fresh_caches()?;
+            plain_tok_s.push(
+                generate(model.as_ref(), &mut caches, &request, |_| Flow::Continue)?
+                    .stats
+                    .decode_tok_s,
+            );
+        }
+        for (name, method) in &mut methods {
+            let (mut proposed, mut accepted, mut rounds, mut tok_s) = (0, 0, 0, Vec::new());
+            for prompt in &prompts {
+                let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
+                let mut caches = model.fresh_caches()?;
+                let (reply, stats) = speculative::generate(
+                    model.as_ref(),
+                    &mut caches,
+                    &[],
+                    &request,
+                    method.as_mut(),
+                    length,
+                    |_| Flow::Continue,
+                )?;
+                proposed += stats.proposed;
+                accepted += stats.accepted;
+                rounds += stats.rounds;
+                tok_s.push(reply.stats.decode_tok_s);
+            }
+            let rate = if proposed == 0 { 0.0 } else { accepted as f64 / proposed as f64 };
+            let mean_len = if rounds == 0 { 0.0 } else { accepted as f64 / rounds as f64 };
+            let speedup = median(&tok_s) / median(&plain_tok_s).max(f64::MIN_POSITIVE);
+            reports.push(json!({
+                "method": name, "proposed": proposed, "accepted": accepted, "rounds": rounds,
+                "acceptance_rate": rate, "mean_accepted_length": mean_len,
+                "decode_tok_s": median(&tok_s), "speedup": speedup,
+            }));
+        }
+    }
+    let out = json!({
+        "model": args.model.display().to_string(),
+        "tokens": tokens.len(), "context": args.context, "rows": rows.len(),
+        "scored_tokens": scored, "mean_nll": nll, "perplexity": perplexity,
+        "plain_decode_tok_s": if plain_tok_s.is_empty() { 0.0 } else { median(&plain_tok_s) },
+        "speculation": reports,
+    });
+    if args.json {
+        println!("{out}");
+        return Ok(());
+    }
+    println!(
+        "{} · {} tokens in {} rows of {}",
+        args.model.display(),
+        tokens.len(),
+        rows.len(),
+        args.context
+    );
+    println!("  perplexity {perplexity:.4} (mean NLL {nll:.5} over {scored} tokens)");
+    for r in &reports {
+        println!(
+            "  {}: {:.1}% accepted ({}/{}), {:.2} per round, decode {:.2}× plain",
+            r["method"].as_str().unwrap_or_default(),
+            r["acceptance_rate"].as_f64().unwrap_or_default() * 100.0,
+            r["accepted"],
+            r["proposed"],
+            r["mean_accepted_length"].as_f64().unwrap_or_default(),
+            r["speedup"].as_f64().unwrap_or_default(),
+        );
+    }
+    Ok(())
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
