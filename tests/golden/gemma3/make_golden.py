@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -468,23 +467,7 @@ def generate(out: Path, log=print) -> dict:
 
 
 def check(out: Path) -> int:
-    with tempfile.TemporaryDirectory(prefix="gemma3-golden-") as tmp:
-        generate(Path(tmp), log=lambda s: print("  regenerated " + s))
-        errors = []
-        for name in CHECKPOINTS:
-            new, old = Path(tmp) / name, out / name
-            new_files = sorted(p.name for p in new.iterdir())
-            old_files = sorted(p.name for p in old.iterdir()) if old.is_dir() else []
-            if new_files != old_files:
-                errors.append(f"{old}: files {old_files}, expected {new_files}")
-                continue
-            for fname in new_files:
-                if fname.endswith(".json"):
-                    if json.loads((new / fname).read_text()) != json.loads((old / fname).read_text()):
-                        errors.append(f"{old / fname}: content differs from a fresh generation")
-                elif fname.endswith(".safetensors"):
-                    g4.compare_tensors(new / fname, old / fname, errors)
-    return g4.report(errors, out, Path(__file__))
+    return g4.check_folders(out, CHECKPOINTS, generate, "gemma3-golden-", Path(__file__))
 
 
 if __name__ == "__main__":

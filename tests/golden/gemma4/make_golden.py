@@ -478,11 +478,13 @@ def compare_tensors(a_path: Path, b_path: Path, errors: list) -> None:
             errors.append(f"{b_path}:{k}: integer values differ")
 
 
-def check(out: Path) -> int:
-    with tempfile.TemporaryDirectory(prefix="gemma4-golden-") as tmp:
+def check_folders(out: Path, names, generate, prefix: str, script: Path) -> int:
+    """Regenerates into a temporary folder and compares each of `names` with `out`: the same
+    files, JSON equal, tensors within CHECK_ATOL."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         generate(Path(tmp), log=lambda s: print("  regenerated " + s))
         errors = []
-        for name in CHECKPOINTS:
+        for name in names:
             new, old = Path(tmp) / name, out / name
             new_files = sorted(p.name for p in new.iterdir())
             old_files = sorted(p.name for p in old.iterdir()) if old.is_dir() else []
@@ -495,7 +497,11 @@ def check(out: Path) -> int:
                         errors.append(f"{old / fname}: content differs from a fresh generation")
                 elif fname.endswith(".safetensors"):
                     compare_tensors(new / fname, old / fname, errors)
-    return report(errors, out, Path(__file__))
+    return report(errors, out, script)
+
+
+def check(out: Path) -> int:
+    return check_folders(out, CHECKPOINTS, generate, "gemma4-golden-", Path(__file__))
 
 
 def report(errors: list, out: Path, script: Path) -> int:

@@ -16,9 +16,10 @@ use engine::tokenizer::{Message, Tokenizer};
 use engine::tokens::ids as token_array;
 use engine::turn::{ChatModel, Drafters, Prompt, ResumeCandidate, Turn};
 use engine::vision::image::{load_rgb, resize_bilinear};
-use mlx::{Array, Dtype};
+use mlx::Array;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use test_support::{ids, max_diff};
 
 use super::gemma4::check_checkpoint;
 
@@ -49,16 +50,6 @@ fn vision_goldens() -> HashMap<String, Array> {
 
 fn vlm() -> Box<dyn Model> {
     engine::registry::load_model(golden_dir("vlm"), &engine::LoadOptions::default()).unwrap()
-}
-
-fn max_diff(a: &Array, b: &Array) -> f32 {
-    assert_eq!(a.shape(), b.shape());
-    let (a, b) = (a.astype(Dtype::Float32).unwrap(), b.astype(Dtype::Float32).unwrap());
-    a.subtract(&b).unwrap().abs().unwrap().max_all(false).unwrap().item::<f32>().unwrap()
-}
-
-fn ids(a: &Array) -> Vec<u32> {
-    a.astype(Dtype::Int32).unwrap().to_vec::<i32>().unwrap().into_iter().map(|v| v as u32).collect()
 }
 
 fn sha256(bytes: &[u8]) -> String {

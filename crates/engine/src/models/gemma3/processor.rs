@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use super::vision::Gemma3Vision;
 use crate::error::{Error, Result};
-use crate::models::gemma4::processor::expand_image_tokens;
+use crate::models::gemma4::processor::{expand_image_tokens, image_block};
 use crate::tokenizer::Tokenizer;
 use crate::vision::image::resize_bilinear;
 use crate::vision::{PreparedImage, Vision};
@@ -114,10 +114,7 @@ impl Vision for Gemma3Images {
     }
 
     fn image_block(&self, soft_tokens: usize) -> Vec<u32> {
-        let mut block = vec![self.boi];
-        block.extend(std::iter::repeat_n(self.image, soft_tokens));
-        block.push(self.eoi);
-        block
+        image_block(self.image, self.boi, self.eoi, soft_tokens)
     }
 
     fn expand(&self, tokens: &[u32], soft_tokens: &[usize]) -> Result<Vec<u32>> {

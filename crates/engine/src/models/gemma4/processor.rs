@@ -105,6 +105,14 @@ pub fn expand_image_tokens(
     Ok(out)
 }
 
+/// The image block `boi, image × soft_tokens, eoi` (for prompts built without a template).
+pub fn image_block(image: u32, boi: u32, eoi: u32, soft_tokens: usize) -> Vec<u32> {
+    let mut block = vec![boi];
+    block.extend(std::iter::repeat_n(image, soft_tokens));
+    block.push(eoi);
+    block
+}
+
 /// The vision tower with the checkpoint's image token ids.
 #[derive(Debug)]
 pub(crate) struct Gemma4Images {
@@ -151,10 +159,7 @@ impl Vision for Gemma4Images {
     }
 
     fn image_block(&self, soft_tokens: usize) -> Vec<u32> {
-        let mut block = vec![self.boi];
-        block.extend(std::iter::repeat_n(self.image, soft_tokens));
-        block.push(self.eoi);
-        block
+        image_block(self.image, self.boi, self.eoi, soft_tokens)
     }
 
     fn expand(&self, tokens: &[u32], soft_tokens: &[usize]) -> Result<Vec<u32>> {
