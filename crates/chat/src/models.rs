@@ -41,7 +41,7 @@ impl Chat {
     pub async fn models(&self) -> Result<ModelsState> {
         let mut models = Vec::new();
         if let Some(demo) = &self.demo_model {
-            models.push(library::describe(demo, ModelSource::Demo, library::DEMO_NAME.into()));
+            models.push(library::describe(demo, ModelSource::Demo, library::demo_name(demo)));
         }
         for folder in self.store.model_folders().await? {
             let path = PathBuf::from(&folder);
@@ -110,7 +110,7 @@ impl Chat {
             )));
         }
         let name = if self.demo_model.as_deref() == Some(path) {
-            library::DEMO_NAME.to_string()
+            library::demo_name(path)
         } else {
             library::display_name(path)
         };

@@ -202,7 +202,7 @@ pub enum StreamEvent {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, TS)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelSource {
-    /// The tiny untrained model shipped with the app.
+    /// The small model shipped with the app.
     Demo,
     /// A folder the user added.
     Folder,

@@ -1,10 +1,11 @@
-//! `quince demo-model`: the app's demo model written to a folder.
+//! `quince untrained-model`: the untrained demo model (random weights) written to a folder.
+//! The app ships the trained one (tests/models/).
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 
-/// Arguments of `quince demo-model`.
+/// Arguments of `quince untrained-model`.
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
     /// Folder to write.
@@ -15,7 +16,7 @@ pub struct DemoArgs {
     tokenizer: PathBuf,
 }
 
-/// `quince demo-model`.
+/// `quince untrained-model`.
 pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     engine::demo::write(&args.out, &args.tokenizer)
         .with_context(|| format!("writing the demo model to {}", args.out.display()))?;

@@ -50,6 +50,9 @@ pub struct EvalArgs {
     /// Tokens a round drafts at most.
     #[arg(long, default_value_t = 4)]
     num_draft: usize,
+    /// Run each method once on the first prompt before timing (MLX builds kernels on first use).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    warmup: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -127,44 +130,53 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<()> {
     let length = DraftLength { max: args.num_draft, adaptive: true };
     let mut plain_tok_s = Vec::new();
     let mut reports = Vec::new();
-    if !prompts.is_empty() {
-        for prompt in &prompts {
-            let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
-            let mut caches = model.fresh_caches()?;
-            plain_tok_s.push(
-                generate(model.as_ref(), &mut caches, &request, |_| Flow::Continue)?
-                    .stats
-                    .decode_tok_s,
-            );
+    let plain = |prompt: &[u32]| -> anyhow::Result<engine::generate::Generation> {
+        let request = GenerateRequest::new(prompt.to_vec(), args.gen_tokens);
+        let mut caches = model.fresh_caches()?;
+        Ok(generate(model.as_ref(), &mut caches, &request, |_| Flow::Continue)?)
+    };
+    let drafted = |method: &mut dyn DraftMethod, prompt: &[u32]| {
+        let request = GenerateRequest::new(prompt.to_vec(), args.gen_tokens);
+        let mut caches = model.fresh_caches()?;
+        speculative::generate(model.as_ref(), &mut caches, &[], &request, method, length, |_| {
+            Flow::Continue
+        })
+        .map_err(anyhow::Error::from)
+    };
+    // One untimed pass of every method first: MLX builds its kernels for each new shape on
+    // first use (seconds each on CUDA), which would otherwise land in the timed runs.
+    if let Some(prompt) = prompts.first().filter(|_| args.warmup) {
+        plain(prompt)?;
+        for (_, method) in &mut methods {
+            drafted(method.as_mut(), prompt)?;
         }
-        for (name, method) in &mut methods {
-            let (mut proposed, mut accepted, mut rounds, mut tok_s) = (0, 0, 0, Vec::new());
-            for prompt in &prompts {
-                let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
-                let mut caches = model.fresh_caches()?;
-                let (reply, stats) = speculative::generate(
-                    model.as_ref(),
-                    &mut caches,
-                    &[],
-                    &request,
-                    method.as_mut(),
-                    length,
-                    |_| Flow::Continue,
-                )?;
-                proposed += stats.proposed;
-                accepted += stats.accepted;
-                rounds += stats.rounds;
-                tok_s.push(reply.stats.decode_tok_s);
-            }
-            let rate = if proposed == 0 { 0.0 } else { accepted as f64 / proposed as f64 };
-            let mean_len = if rounds == 0 { 0.0 } else { accepted as f64 / rounds as f64 };
-            let speedup = median(&tok_s) / median(&plain_tok_s).max(f64::MIN_POSITIVE);
-            reports.push(json!({
-                "method": name, "proposed": proposed, "accepted": accepted, "rounds": rounds,
-                "acceptance_rate": rate, "mean_accepted_length": mean_len,
-                "decode_tok_s": median(&tok_s), "speedup": speedup,
-            }));
+    }
+    let mut plain_tokens = Vec::new();
+    for prompt in &prompts {
+        let reply = plain(prompt)?;
+        plain_tok_s.push(reply.stats.decode_tok_s);
+        plain_tokens.push(reply.tokens);
+    }
+    for (name, method) in methods.iter_mut().filter(|_| !prompts.is_empty()) {
+        let (mut proposed, mut accepted, mut rounds, mut tok_s) = (0, 0, 0, Vec::new());
+        let mut same = true;
+        for (prompt, expected) in prompts.iter().zip(&plain_tokens) {
+            let (reply, stats) = drafted(method.as_mut(), prompt)?;
+            proposed += stats.proposed;
+            accepted += stats.accepted;
+            rounds += stats.rounds;
+            tok_s.push(reply.stats.decode_tok_s);
+            same &= &reply.tokens == expected;
         }
+        let rate = if proposed == 0 { 0.0 } else { accepted as f64 / proposed as f64 };
+        let mean_len = if rounds == 0 { 0.0 } else { accepted as f64 / rounds as f64 };
+        let speedup = median(&tok_s) / median(&plain_tok_s).max(f64::MIN_POSITIVE);
+        reports.push(json!({
+            "method": name, "proposed": proposed, "accepted": accepted, "rounds": rounds,
+            "acceptance_rate": rate, "mean_accepted_length": mean_len,
+            "decode_tok_s": median(&tok_s), "speedup": speedup,
+            "same_tokens_as_plain": same,
+        }));
     }
     let out = json!({
         "model": args.model.display().to_string(),
@@ -185,15 +197,24 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<()> {
         args.context
     );
     println!("  perplexity {perplexity:.4} (mean NLL {nll:.5} over {scored} tokens)");
+    if !plain_tok_s.is_empty() {
+        println!(
+            "  plain greedy decode {:.1} tok/s (median of {})",
+            median(&plain_tok_s),
+            prompts.len()
+        );
+    }
     for r in &reports {
         println!(
-            "  {}: {:.1}% accepted ({}/{}), {:.2} per round, decode {:.2}× plain",
+            "  {}: {:.1}% accepted ({}/{}), {:.2} per round, decode {:.2}× plain ({:.1} tok/s){}",
             r["method"].as_str().unwrap_or_default(),
             r["acceptance_rate"].as_f64().unwrap_or_default() * 100.0,
             r["accepted"],
             r["proposed"],
             r["mean_accepted_length"].as_f64().unwrap_or_default(),
             r["speedup"].as_f64().unwrap_or_default(),
+            r["decode_tok_s"].as_f64().unwrap_or_default(),
+            if r["same_tokens_as_plain"] == true { "" } else { ", tokens differ from plain" },
         );
     }
     Ok(())

@@ -6,7 +6,8 @@
 //! - `quince logits`: write a forward pass's logits to safetensors (full or incremental);
 //! - `quince bench`, `bench-spec`, `bench-ops`: speed, side by side with the reference;
 //! - `quince doctor`: the MLX build this process runs on, and a smoke computation;
-//! - `quince demo-model`, `quince pull`: the demo model, and downloads from Hugging Face.
+//! - `quince untrained-model`, `quince pull`: the untrained test model, and downloads from
+//!   Hugging Face.
 
 mod bench;
 mod converse;
@@ -40,8 +41,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Print the MLX version, backend, devices and memory, and run a tiny matmul + attention.
     Doctor(doctor::Args),
-    /// Write the demo model (tiny Gemma 4 with vision) paired with a real tokenizer.
-    DemoModel(demo::DemoArgs),
+    /// Write the untrained demo model (a tiny Gemma 4 with vision, random weights, the same
+    /// bytes every time) paired with a real tokenizer: what the tests chat with.
+    UntrainedModel(demo::DemoArgs),
     /// Per-op overhead of this binding vs Python `mlx`, printed side by side.
     BenchOps(bench::ops::Args),
     /// Speculative decoding's costs and gains: verify windows vs a decode step, 0% acceptance,
@@ -70,7 +72,7 @@ fn main() -> anyhow::Result<()> {
         Command::Logits(args) => logits::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Doctor(args) => doctor::run(&args),
-        Command::DemoModel(args) => demo::run(&args),
+        Command::UntrainedModel(args) => demo::run(&args),
         Command::BenchOps(args) => bench::ops::run(&args),
         Command::BenchSpec(args) => bench::spec::run(&args),
         Command::Pull(args) => pull::run(&args),

@@ -1,7 +1,7 @@
 //! The `quince` command's interfaces, run as a process on the golden Gemma 4 checkpoint.
 #![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn quince() -> Command {
@@ -444,13 +444,13 @@ fn image_prompts_through_the_cli_match_mlx_vlm() {
 }
 
 #[test]
-fn the_demo_model_chats_through_the_real_template_with_and_without_images() {
+fn the_untrained_demo_chats_through_the_real_template_with_and_without_images() {
     let dir = tempfile::tempdir().unwrap();
     let demo = dir.path().join("demo");
-    let out = quince().args(["demo-model", "--out"]).arg(&demo).output().unwrap();
+    let out = quince().args(["untrained-model", "--out"]).arg(&demo).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let again = dir.path().join("again");
-    assert!(quince().args(["demo-model", "--out"]).arg(&again).status().unwrap().success());
+    assert!(quince().args(["untrained-model", "--out"]).arg(&again).status().unwrap().success());
     assert_eq!(
         std::fs::read(demo.join("model.safetensors")).unwrap(),
         std::fs::read(again.join("model.safetensors")).unwrap(),
@@ -719,7 +719,93 @@ fn eval_perplexity_is_the_references_and_draft_methods_report_acceptance() {
     for m in methods {
         let rate = m["acceptance_rate"].as_f64().unwrap();
         assert!(m["proposed"].as_u64().unwrap() > 0 && (0.0..=1.0).contains(&rate), "{m}");
+        assert_eq!(m["same_tokens_as_plain"], true, "greedy speculation changes nothing: {m}");
     }
     // The 8-bit copy of the same weights agrees with them most of the time.
     assert!(methods[1]["acceptance_rate"].as_f64().unwrap() > 0.5, "{}", methods[1]);
+}
+
+/// The trained demo the app ships (`make demo-model` unpacks it from tests/models/ into
+/// target/demo-model).
+fn trained_demo() -> PathBuf {
+    let dir = root().join("target/demo-model");
+    assert!(dir.join("model.safetensors").exists(), "run `make demo-model` first");
+    dir
+}
+
+/// The share of `text`'s words found in the system word list (Debian `wamerican`).
+fn dictionary_share(text: &str) -> (f64, usize) {
+    let list = std::fs::read_to_string("/usr/share/dict/words")
+        .expect("/usr/share/dict/words (Debian `wamerican`, installed by `make setup`)");
+    let words: std::collections::HashSet<&str> = list.lines().collect();
+    let found: Vec<bool> = text
+        .split(|c: char| !(c.is_ascii_alphabetic() || c == '\''))
+        .map(|w| w.trim_matches('\''))
+        .filter(|w| !w.is_empty())
+        .map(|w| words.contains(w) || words.contains(w.to_lowercase().as_str()))
+        .collect();
+    let hits = found.iter().filter(|&&f| f).count();
+    (hits as f64 / found.len().max(1) as f64, found.len())
+}
+
+/// The trained demo writes English: its greedy continuation of "Once upon a time" (up to 64
+/// tokens) and its reply to "Tell me a story." are mostly dictionary words and end on their own
+/// stop tokens; the untrained demo's are not. Its held-out perplexity is mlx-lm's on the same
+/// checkpoint and text (tests/models/reference.json, made by `make_models.py check`).
+#[test]
+fn the_trained_demo_writes_english_and_scores_held_out_text_as_mlx_lm_does() {
+    let demo = trained_demo();
+    let tokenizer = engine::tokenizer::Tokenizer::from_dir(&demo).unwrap().unwrap();
+    let once: Vec<String> =
+        tokenizer.encode("Once upon a time", true).unwrap().iter().map(u32::to_string).collect();
+    let run = |model: &Path, args: &[&str]| -> serde_json::Value {
+        let out = quince()
+            .args(["generate", "--model"])
+            .arg(model)
+            .args(args)
+            .args(["--max-tokens", "64", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
+            .unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let untrained = dir.path().join("untrained");
+    assert!(
+        quince().args(["untrained-model", "--out"]).arg(&untrained).status().unwrap().success()
+    );
+    for args in [vec!["--tokens", &once.join(",")], vec!["--prompt", "Tell me a story."]] {
+        let reply = run(&demo, &args);
+        let text = reply["text"].as_str().unwrap();
+        let (share, words) = dictionary_share(text);
+        assert!(share >= 0.8 && words >= 5, "{share:.2} of {words} words in the list: {text:?}");
+        assert_eq!(reply["stop_reason"], "stop", "the reply ends itself: {text:?}");
+        if args[0] == "--prompt" {
+            let noise = run(&untrained, &args);
+            let (share, _) = dictionary_share(noise["text"].as_str().unwrap());
+            assert!(share < 0.5, "the untrained demo's text is noise: {noise}");
+        }
+    }
+
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/models/reference.json")).unwrap(),
+    )
+    .unwrap();
+    let out = quince()
+        .args(["eval", "--model"])
+        .arg(&demo)
+        .arg("--text")
+        .arg(root().join("tests/models/heldout.txt"))
+        .args(["--context", "64", "--rows", "1", "--prompts", "0", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value =
+        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
+            .unwrap();
+    let (got, want) =
+        (json["perplexity"].as_f64().unwrap(), reference["perplexity"].as_f64().unwrap());
+    assert_eq!(json["scored_tokens"], reference["tokens"]);
+    assert!((got - want).abs() <= 1e-4 * want, "perplexity {got}, mlx-lm's {want}");
 }

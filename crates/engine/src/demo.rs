@@ -1,6 +1,8 @@
-//! The demo model: a tiny Gemma 4 with a vision tower and random (untrained) weights, paired
-//! with a real tokenizer, so a fresh install can chat offline from the first run. Its replies
-//! are gibberish by construction; the app labels it "Demo (untrained)".
+//! The untrained demo model: a tiny Gemma 4 with a vision tower and random weights, paired
+//! with a real tokenizer, for tests that chat through every stage (template, vision, prefill,
+//! decode) on weights that take seconds to write. Its replies are gibberish by construction;
+//! the library labels it "Demo (untrained)". The app ships the trained demo instead
+//! (tests/models/: same family, weights learned from English text).
 //!
 //! Weights come from a fixed-seed xorshift generator, so the same files come out on every
 //! machine; the 262k-row embedding table is affine-quantized (4-bit, group 64) to keep the
