@@ -115,18 +115,14 @@ fn speculative_generate_reports_spec_and_the_golden_tokens() {
     let list = |key: &str| -> Vec<String> {
         golden[key].as_array().unwrap().iter().map(|t| t.to_string()).collect()
     };
-    let out = quince()
-        .args(["generate", "--model"])
-        .arg(dir.join("target"))
-        .args(["--tokens", &list("prompt").join(","), "--max-tokens", "64", "--ignore-eos"])
-        .args(["--json", "--assistant"])
-        .arg(dir.join("assistant"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let json: serde_json::Value =
-        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
-            .unwrap();
+    let json = json_of(
+        quince()
+            .args(["generate", "--model"])
+            .arg(dir.join("target"))
+            .args(["--tokens", &list("prompt").join(","), "--max-tokens", "64", "--ignore-eos"])
+            .args(["--json", "--assistant"])
+            .arg(dir.join("assistant")),
+    );
     let tokens: Vec<String> =
         json["token_ids"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
     assert_eq!(tokens, list("greedy"));
@@ -652,16 +648,14 @@ fn pull_killed_mid_file_resumes_and_the_pulled_model_runs() {
     assert!(snapshot.starts_with(cache.path().join("models--quince-test--dense/snapshots")));
 
     let (prompt, greedy) = golden();
-    let out = quince()
-        .args(["generate", "--model"])
-        .arg(&snapshot)
-        .args(["--tokens", &prompt, "--max-tokens", "8", "--ignore-eos", "--json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let json: serde_json::Value =
-        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
-            .unwrap();
+    let json = json_of(quince().args(["generate", "--model"]).arg(&snapshot).args([
+        "--tokens",
+        &prompt,
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+    ]));
     let ids: Vec<u32> =
         json["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     assert_eq!(ids, greedy[..8].to_vec());
@@ -698,19 +692,15 @@ fn eval_perplexity_is_the_references_and_draft_methods_report_acceptance() {
     }
     let want = (nll / (ids.len() - 1) as f64).exp();
 
-    let out = quince()
-        .args(["eval", "--model"])
-        .arg(dense())
-        .args(["--tokens", &prompt, "--context", "40", "--json"])
-        .args(["--draft"])
-        .arg(root().join("tests/golden/gemma4/dense_q8"))
-        .args(["--prompts", "1", "--prompt-tokens", "40", "--gen-tokens", "24"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let json: serde_json::Value =
-        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
-            .unwrap();
+    let json = json_of(
+        quince()
+            .args(["eval", "--model"])
+            .arg(dense())
+            .args(["--tokens", &prompt, "--context", "40", "--json"])
+            .args(["--draft"])
+            .arg(root().join("tests/golden/gemma4/dense_q8"))
+            .args(["--prompts", "1", "--prompt-tokens", "40", "--gen-tokens", "24"]),
+    );
     let got = json["perplexity"].as_f64().unwrap();
     assert!((got - want).abs() <= 1e-4 * want, "perplexity {got}, the reference's {want}");
     assert_eq!(json["scored_tokens"], 39);
@@ -723,6 +713,13 @@ fn eval_perplexity_is_the_references_and_draft_methods_report_acceptance() {
     }
     // The 8-bit copy of the same weights agrees with them most of the time.
     assert!(methods[1]["acceptance_rate"].as_f64().unwrap() > 0.5, "{}", methods[1]);
+}
+
+/// Runs `cmd`, which must succeed, and parses the last line it prints as JSON.
+fn json_of(cmd: &mut Command) -> serde_json::Value {
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap()).unwrap()
 }
 
 /// The trained demo the app ships (`make demo-model` unpacks it from tests/models/ into
@@ -759,16 +756,11 @@ fn the_trained_demo_writes_english_and_scores_held_out_text_as_mlx_lm_does() {
     let once: Vec<String> =
         tokenizer.encode("Once upon a time", true).unwrap().iter().map(u32::to_string).collect();
     let run = |model: &Path, args: &[&str]| -> serde_json::Value {
-        let out = quince()
-            .args(["generate", "--model"])
-            .arg(model)
-            .args(args)
-            .args(["--max-tokens", "64", "--json"])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
-            .unwrap()
+        json_of(quince().args(["generate", "--model"]).arg(model).args(args).args([
+            "--max-tokens",
+            "64",
+            "--json",
+        ]))
     };
     let dir = tempfile::tempdir().unwrap();
     let untrained = dir.path().join("untrained");
@@ -792,18 +784,14 @@ fn the_trained_demo_writes_english_and_scores_held_out_text_as_mlx_lm_does() {
         &std::fs::read_to_string(root().join("tests/models/reference.json")).unwrap(),
     )
     .unwrap();
-    let out = quince()
-        .args(["eval", "--model"])
-        .arg(&demo)
-        .arg("--text")
-        .arg(root().join("tests/models/heldout.txt"))
-        .args(["--context", "64", "--rows", "1", "--prompts", "0", "--json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let json: serde_json::Value =
-        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap())
-            .unwrap();
+    let json = json_of(
+        quince()
+            .args(["eval", "--model"])
+            .arg(&demo)
+            .arg("--text")
+            .arg(root().join("tests/models/heldout.txt"))
+            .args(["--context", "64", "--rows", "1", "--prompts", "0", "--json"]),
+    );
     let (got, want) =
         (json["perplexity"].as_f64().unwrap(), reference["perplexity"].as_f64().unwrap());
     assert_eq!(json["scored_tokens"], reference["tokens"]);
