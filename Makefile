@@ -134,6 +134,7 @@ golden-check: setup
 	$(VENV_PY) tests/golden/tokenizer/make_golden.py --check
 	$(VENV_PY) tests/golden/vision/make_golden.py --check
 	$(VENV_PY) tests/golden/assistant/make_golden.py --check
+	$(VENV_PY) tests/golden/kv/make_golden.py --check
 
 # Doc tests and the build check first, so the run ends on the main suite's summary line.
 test-rust: app-inputs
@@ -191,6 +192,7 @@ fixtures: setup
 	$(VENV_PY) tests/golden/gemma3/make_golden.py
 	$(VENV_PY) tests/golden/tokenizer/make_golden.py
 	$(VENV_PY) tests/golden/vision/make_golden.py
+	$(VENV_PY) tests/golden/kv/make_golden.py
 
 bench-ops: setup
 	$(CARGO) run --release --locked -p quince-cli -- bench-ops

@@ -43,19 +43,23 @@
 //! Storages: [`PlainCache`] (growable) and [`RotatingCache`] (sliding window ring). Rows of a
 //! batch: [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]).
 
+mod kv;
 mod plain;
 mod plan;
 mod read;
 mod rotating;
 mod rows;
 mod trace;
+mod turbo;
 
 use std::collections::BTreeMap;
 
 use mlx::Array;
 
+pub(crate) use kv::Codec;
+pub use kv::{KvEncoding, KvFormat};
 pub use plain::PlainCache;
-pub use plan::{CachePlan, Storage};
+pub use plan::{CachePlan, KvLayers, KvOptions, KvShape, Layout, Storage};
 pub use read::AttentionRead;
 pub(crate) use read::{ReadMask, overlay_mask};
 pub use rotating::RotatingCache;
@@ -76,6 +80,18 @@ pub trait Cache: std::fmt::Debug {
     fn bytes_per_token(&self) -> usize;
     /// Positions held now (the offset, or fewer for a ring that evicted).
     fn stored_positions(&self) -> usize;
+    /// The most positions the next append may add (`None`: any number): a storage that
+    /// changes precision at a start offset splits appends there, so that its boundary lands
+    /// on the same position whatever the prefill's chunks or the verify windows.
+    fn max_append(&self) -> Option<usize> {
+        None
+    }
+    /// The earliest offset a trim may go back to and still continue as a run of that length
+    /// would have (a storage that converted its positions to another precision at some offset
+    /// cannot be trimmed below it).
+    fn minimum_reusable_offset(&self) -> usize {
+        0
+    }
     /// The stored buffers, to evaluate after a prefill chunk (as mlx-lm evaluates its caches'
     /// state) without computing logits nobody reads.
     fn buffers(&self) -> Vec<Array>;
@@ -183,22 +199,19 @@ pub trait BlockAttentionCache: AttentionCache {
 }
 
 /// A block read over `stored` (a cache's donor read, `None` while empty) and the block's
-/// `keys`/`values`, every position visible, read with `ops`.
+/// `keys`/`values` (encoded in `codec`), every position visible, read with `ops`.
 pub(crate) fn block_read(
     stored: Option<AttentionRead>,
     keys: &Array,
     values: &Array,
+    codec: &Codec,
     ops: &crate::backend::Ops,
 ) -> Result<AttentionRead> {
     check_append(keys, values, false)?;
-    let (k, v) = match stored {
-        Some(stored) => (
-            mlx::ops::concatenate(&[&stored.keys, keys], 2)?,
-            mlx::ops::concatenate(&[&stored.values, values], 2)?,
-        ),
-        None => (keys.clone(), values.clone()),
-    };
-    Ok(AttentionRead::all_visible(k, v, ops))
+    match stored {
+        Some(stored) => stored.with_block(keys, values),
+        None => Ok(AttentionRead::all_visible(codec.encode_kv(keys, values)?, codec, ops)),
+    }
 }
 
 /// A cache composed for prompts whose media tokens attend each other in both directions
@@ -221,26 +234,45 @@ pub trait BidirectionalAttentionCache: AttentionCache {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeFetch {
     /// The step reads `concat(stored, new)`, which becomes the stored positions after it:
-    /// inputs `[keys, values]` (the stored positions), outputs the same with the new one.
+    /// inputs the stored positions' parts (`[keys, values]` in full precision), outputs the
+    /// same with the new one.
     Concat,
     /// The step writes the new position into the full ring at a dynamic slot and reads the
-    /// whole ring: inputs `[ring keys, ring values, slot]` (`slot` an int32 scalar), outputs
-    /// the updated ring. The cache hands its buffers over, so the write happens in place.
+    /// whole ring: inputs the ring's parts and the slot (an int32 scalar), outputs the updated
+    /// ring. The cache hands its buffers over, so the write happens in place.
     Ring,
 }
 
-impl DecodeFetch {
-    /// Number of closure inputs a slot of this kind feeds.
-    pub fn inputs(self) -> usize {
-        match self {
-            DecodeFetch::Concat => 2,
-            DecodeFetch::Ring => 3,
+/// What a compiled step's graph is traced for, per cache: how the slot is read and written,
+/// and the codec its keys and values are stored in (one graph per sequence of kinds).
+#[derive(Debug, Clone)]
+pub struct SlotKind {
+    /// How the slot is read and written.
+    pub fetch: DecodeFetch,
+    pub(crate) codec: Codec,
+}
+
+impl SlotKind {
+    /// Number of closure inputs a slot of this kind feeds: the stored parts, and a ring's slot.
+    pub fn inputs(&self) -> usize {
+        match self.fetch {
+            DecodeFetch::Concat => self.outputs(),
+            DecodeFetch::Ring => self.outputs() + 1,
         }
     }
 
-    /// Number of graph outputs a slot of this kind takes back.
-    pub fn outputs(self) -> usize {
-        2
+    /// Number of graph outputs a slot of this kind takes back: the stored parts.
+    pub fn outputs(&self) -> usize {
+        2 * self.codec.parts_per_tensor()
+    }
+
+    /// A short name for graph keys, e.g. `c:full` or `r:affine4g64`.
+    pub fn key(&self) -> String {
+        let fetch = match self.fetch {
+            DecodeFetch::Concat => 'c',
+            DecodeFetch::Ring => 'r',
+        };
+        format!("{fetch}:{}", self.codec.name())
     }
 }
 
@@ -248,8 +280,8 @@ impl DecodeFetch {
 #[derive(Debug)]
 pub struct DecodeSlot {
     /// The kind of step.
-    pub fetch: DecodeFetch,
-    /// The closure inputs, [`DecodeFetch::inputs`] of them.
+    pub kind: SlotKind,
+    /// The closure inputs, [`SlotKind::inputs`] of them.
     pub inputs: Vec<Array>,
 }
 
@@ -262,7 +294,8 @@ pub trait CompiledDecodeCache: AttentionCache {
     /// [`CompiledDecodeCache::abort_decode_step`].
     fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>>;
     /// Adopts the step's outputs for this slot (the stored positions or ring after appending
-    /// one position) and advances the offset by one.
+    /// one position) and advances the offset by one (converting, where due, as a decode append
+    /// would).
     fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()>;
     /// After a failed step: takes back what [`CompiledDecodeCache::begin_decode_step`] handed
     /// over; the cache is as before.
@@ -272,13 +305,48 @@ pub trait CompiledDecodeCache: AttentionCache {
 /// A cache's saved state: only valid positions, in temporal order, plus metadata.
 #[derive(Debug, Clone, Default)]
 pub struct CacheState {
-    /// `keys` and `values` `[B, H, N, D]`.
+    /// The stored parts: `keys` and `values` `[B, H, N, D]` in full precision; encoded
+    /// storage adds its parts' suffixes (`keys.scales`, …).
     pub tensors: BTreeMap<String, Array>,
     /// `signature`, `offset` and storage-specific entries, as strings.
     pub metadata: BTreeMap<String, String>,
 }
 
 impl CacheState {
+    /// The state of a storage named `signature` at `offset` holding `parts` in `codec`.
+    pub(crate) fn of(
+        signature: String,
+        offset: usize,
+        codec: &Codec,
+        parts: Vec<Array>,
+    ) -> CacheState {
+        let mut state = CacheState::default();
+        let names = ["keys", "values"].into_iter().flat_map(|tensor| {
+            codec.part_suffixes().iter().map(move |suffix| format!("{tensor}{suffix}"))
+        });
+        state.tensors.extend(names.zip(parts));
+        state.metadata.insert("signature".into(), signature);
+        state.metadata.insert("offset".into(), offset.to_string());
+        state
+    }
+
+    /// The stored parts in `codec`, in order.
+    pub(crate) fn parts(&self, codec: &Codec) -> Result<Vec<Array>> {
+        let parts = ["keys", "values"]
+            .iter()
+            .flat_map(|tensor| codec.part_suffixes().iter().map(move |s| format!("{tensor}{s}")))
+            .map(|name| state_tensor(self, &name).cloned())
+            .collect::<Result<Vec<_>>>()?;
+        let n = kv::position_count(&parts)?;
+        if parts.iter().any(|p| p.ndim() != 4 || p.dim(2).ok() != Some(n as i32)) {
+            return Err(Error::InvalidRequest(format!(
+                "cache state parts disagree on their positions ({} parts, {n} positions)",
+                parts.len()
+            )));
+        }
+        Ok(parts)
+    }
+
     pub(crate) fn number(&self, key: &str) -> Result<usize> {
         self.metadata
             .get(key)
@@ -292,6 +360,13 @@ pub fn stack_offset(caches: &[Box<dyn Cache>]) -> usize {
     caches.first().map_or(0, |c| c.offset())
 }
 
+/// The most positions the next append may add to every cache of a stack (`None`: any
+/// number): prefill chunks and verify windows end where a storage converts (see
+/// [`Cache::max_append`]).
+pub fn stack_max_append(caches: &[Box<dyn Cache>]) -> Option<usize> {
+    caches.iter().filter_map(|c| c.max_append()).min()
+}
+
 /// The attention storage of a layer's cache, or an error naming what it holds instead.
 pub fn attention_of(cache: &mut dyn Cache) -> Result<&mut dyn AttentionCache> {
     let signature = cache.signature();
@@ -300,25 +375,26 @@ pub fn attention_of(cache: &mut dyn Cache) -> Result<&mut dyn AttentionCache> {
     })
 }
 
-/// The stored keys and values a compiled decode step gives back for one slot.
-pub(crate) fn step_outputs(outputs: Vec<Array>) -> Result<(Array, Array)> {
-    let [keys, values]: [Array; 2] = outputs.try_into().map_err(|o: Vec<Array>| {
-        Error::InvalidRequest(format!("a decode step gives a cache 2 outputs, not {}", o.len()))
-    })?;
-    Ok((keys, values))
+/// Checks that a compiled decode step gave back one slot's parts in `codec`.
+pub(crate) fn step_outputs(outputs: &[Array], codec: &Codec) -> Result<()> {
+    if outputs.len() != 2 * codec.parts_per_tensor() {
+        return Err(Error::InvalidRequest(format!(
+            "a decode step gives a {} cache {} outputs, not {}",
+            codec.name(),
+            2 * codec.parts_per_tensor(),
+            outputs.len()
+        )));
+    }
+    Ok(())
 }
 
-/// The slot of a one-position-per-step storage with `keys`/`values` holding at least `len`
-/// stored positions from slot 0: the stored prefix, for a [`DecodeFetch::Concat`] step.
-pub(crate) fn concat_slot(keys: &Array, values: &Array, len: usize) -> Result<DecodeSlot> {
-    let prefix = |a: &Array| -> Result<Array> {
-        let s = a.shape();
-        if s[2] as usize == len {
-            return Ok(a.clone());
-        }
-        Ok(a.slice(&[0, 0, 0, 0], &[s[0], s[1], len as i32, s[3]], &[1, 1, 1, 1])?)
-    };
-    Ok(DecodeSlot { fetch: DecodeFetch::Concat, inputs: vec![prefix(keys)?, prefix(values)?] })
+/// The slot of a one-position-per-step storage whose `parts` hold at least `len` stored
+/// positions from slot 0: the stored prefix, for a [`DecodeFetch::Concat`] step.
+pub(crate) fn concat_slot(parts: &[Array], len: usize, codec: &Codec) -> Result<DecodeSlot> {
+    Ok(DecodeSlot {
+        kind: SlotKind { fetch: DecodeFetch::Concat, codec: codec.clone() },
+        inputs: kv::positions(parts, 0, len)?,
+    })
 }
 
 /// The error for a round call out of order.
@@ -352,27 +428,6 @@ pub(crate) fn check_append(keys: &Array, values: &Array, decode: bool) -> Result
         return Err(Error::InvalidRequest("append of zero positions".into()));
     }
     Ok(length)
-}
-
-/// Bytes one position of `[B, H, N, D]` keys and values takes for one row (0 before any).
-pub(crate) fn bytes_per_position(keys: Option<&Array>, values: Option<&Array>) -> usize {
-    let per = |a: &Array| {
-        let s = a.shape();
-        (s[1] * s[3]) as usize * a.dtype().size()
-    };
-    match (keys, values) {
-        (Some(k), Some(v)) => per(k) + per(v),
-        _ => 0,
-    }
-}
-
-pub(crate) fn state_of(signature: String, offset: usize, keys: Array, values: Array) -> CacheState {
-    let mut state = CacheState::default();
-    state.tensors.insert("keys".into(), keys);
-    state.tensors.insert("values".into(), values);
-    state.metadata.insert("signature".into(), signature);
-    state.metadata.insert("offset".into(), offset.to_string());
-    state
 }
 
 pub(crate) fn check_signature(state: &CacheState, signature: &str) -> Result<()> {

@@ -16,8 +16,8 @@
 //!   runs [`crate::backend::Ops::shapeless`] (MLX's ops, gathers where a slice's shape could
 //!   not be inferred; a custom kernel's output shape cannot be either, so none runs in it).
 //!
-//! One graph is traced per sequence of slot kinds (in practice two per model: while the
-//! sliding windows fill, and after) and kept by the model for every later step and
+//! One graph is traced per sequence of slot kinds and codecs (in practice two per model and KV
+//! format: while the sliding windows fill, and after) and kept by the model for every later step and
 //! generation. A step that cannot be compiled (a cache inside a speculative round, an empty
 //! cache, a storage without a compiled step) runs uncompiled; a graph that fails to build or run
 //! switches compiled decode off for the model and the step runs uncompiled, with a warning, so
@@ -29,7 +29,7 @@ use std::collections::HashMap;
 
 use mlx::{Array, Compiled};
 
-use crate::cache::{Cache, CompiledDecodeCache, DecodeFetch, DecodeSlot};
+use crate::cache::{Cache, CompiledDecodeCache, DecodeSlot, SlotKind};
 use crate::error::Result;
 
 /// Compiled-decode counters of one model.
@@ -96,7 +96,7 @@ impl DecodeGraphs {
         token: &Array,
         position: usize,
         extra: usize,
-        build: impl FnOnce(Vec<DecodeFetch>) -> Result<Compiled>,
+        build: impl FnOnce(Vec<SlotKind>) -> Result<Compiled>,
     ) -> Result<Option<Vec<Array>>> {
         if !self.enabled.get() {
             self.count(|s| s.uncompiled += 1);
@@ -118,19 +118,13 @@ impl DecodeGraphs {
                 }
             }
         }
-        let fetches: Vec<DecodeFetch> = slots.iter().map(|s| s.fetch).collect();
-        let key: String = fetches
-            .iter()
-            .map(|f| match f {
-                DecodeFetch::Concat => 'c',
-                DecodeFetch::Ring => 'r',
-            })
-            .collect();
-        let outputs = self.call(&key, fetches, token, position, &slots, build);
+        let kinds: Vec<SlotKind> = slots.iter().map(|s| s.kind.clone()).collect();
+        let key: String = kinds.iter().map(SlotKind::key).collect::<Vec<_>>().join(",");
+        let outputs = self.call(&key, kinds, token, position, &slots, build);
         let outputs = match outputs {
             Ok(outputs)
                 if outputs.len()
-                    == extra + slots.iter().map(|s| s.fetch.outputs()).sum::<usize>() =>
+                    == extra + slots.iter().map(|s| s.kind.outputs()).sum::<usize>() =>
             {
                 outputs
             }
@@ -148,13 +142,13 @@ impl DecodeGraphs {
         };
         // The slots' inputs go now, so that a ring's buffer is referenced by the graph alone
         // and its write happens in place.
-        let kinds: Vec<DecodeFetch> = slots.into_iter().map(|s| s.fetch).collect();
+        let kinds: Vec<SlotKind> = slots.into_iter().map(|s| s.kind).collect();
         let mut rest = outputs.into_iter();
         let model: Vec<Array> = rest.by_ref().take(extra).collect();
-        for (cache, fetch) in caches.iter_mut().zip(kinds) {
-            let outputs = rest.by_ref().take(fetch.outputs()).collect();
+        for (cache, kind) in caches.iter_mut().zip(kinds) {
+            let outputs = rest.by_ref().take(kind.outputs()).collect();
             match compiled_of(cache.as_mut()) {
-                Some(cache) => cache.end_decode_step(fetch, outputs)?,
+                Some(cache) => cache.end_decode_step(kind.fetch, outputs)?,
                 None => {
                     return Err(crate::Error::InvalidRequest("a slot without its cache".into()));
                 }
@@ -167,14 +161,14 @@ impl DecodeGraphs {
     fn call(
         &self,
         key: &str,
-        fetches: Vec<DecodeFetch>,
+        kinds: Vec<SlotKind>,
         token: &Array,
         position: usize,
         slots: &[DecodeSlot],
-        build: impl FnOnce(Vec<DecodeFetch>) -> Result<Compiled>,
+        build: impl FnOnce(Vec<SlotKind>) -> Result<Compiled>,
     ) -> Result<Vec<Array>> {
         if !self.graphs.borrow().contains_key(key) {
-            let graph = build(fetches)?;
+            let graph = build(kinds)?;
             self.graphs.borrow_mut().insert(key.to_string(), graph);
             self.count(|s| s.graphs += 1);
         }

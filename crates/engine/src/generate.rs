@@ -146,7 +146,8 @@ pub fn check_prompt(
 }
 
 /// Prefills `tokens` and returns the last position's logits `[1, V]`: every token but the last
-/// through window appends in chunks of `step`, then the last one as a decode step. This is
+/// through window appends in chunks of `step` (cut where a storage converts its precision),
+/// then the last one as a decode step. This is
 /// mlx-lm's split, kept on purpose: in bf16 the cached keys and values of a position depend on
 /// the shape of the matmul that made them, and the same split gives the same cache (and the same
 /// greedy tokens) as the reference.
@@ -159,7 +160,14 @@ pub fn prefill(
     let Some((&last, head)) = tokens.split_last() else {
         return Err(Error::InvalidRequest("the prompt is empty".into()));
     };
-    for chunk in head.chunks(step.max(1)) {
+    let mut start = 0;
+    while start < head.len() {
+        // A chunk ends where a storage converts, so its boundary lands on the same position
+        // whatever the chunk size.
+        let room = crate::cache::stack_max_append(caches).unwrap_or(usize::MAX);
+        let end = (start + step.max(1).min(room)).min(head.len());
+        let chunk = &head[start..end];
+        start = end;
         let ids = crate::tokens::ids(chunk)?;
         // The chunk's logits are never read: evaluating the caches alone skips the output
         // head (a large matmul on big vocabularies), chunk by chunk so the graph and memory
@@ -229,7 +237,10 @@ pub fn prefill_multimodal(
     let mut next_image = 0;
     let mut last = None;
     while start < tokens.len() {
-        let mut end = (start + step).min(tokens.len());
+        // A chunk ends where a storage converts (unless an image block spans the boundary:
+        // a block is one append, and the conversion follows it).
+        let room = crate::cache::stack_max_append(caches).unwrap_or(usize::MAX);
+        let mut end = (start + step.min(room)).min(tokens.len());
         // Extend past any run that the cut would split.
         if let Some(&(run_start, run_len)) = runs.iter().find(|(s, l)| *s < end && s + l > end) {
             end = run_start + run_len;

@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use mlx::Array;
 use serde::{Deserialize, Serialize};
 
-use crate::cache::{Cache, stack_offset};
+use crate::cache::{Cache, stack_max_append, stack_offset};
 use crate::error::{Error, Result};
 use crate::generate::{
     Decoded, Emitter, Flow, GenerateRequest, Generation, StopReason, decode_loop, decode_step,
@@ -179,7 +179,10 @@ pub fn generate(
         }
         // A round never drafts past the token budget: the bonus and k drafts emit at most
         // k + 1 tokens.
-        let budget = out.remaining().saturating_sub(1);
+        // Nor past a storage's KV conversion: the window `[bonus, drafts…]` ends at it at the
+        // latest, so every position is read at the precision decode steps would read it.
+        let room = stack_max_append(caches).map_or(usize::MAX, |r| r.saturating_sub(1));
+        let budget = out.remaining().saturating_sub(1).min(room);
         let mut drafts = Vec::new();
         if budget > 0 {
             drafts = method.propose(Target { model, caches }, &context, k.min(budget))?;

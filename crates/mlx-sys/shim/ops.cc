@@ -1,6 +1,8 @@
 // Arithmetic, shape, indexing, reduction and creation ops: thin calls into mlx::core.
 #include "mlx-sys/src/lib.rs.h"
 
+#include <cmath>
+#include <optional>
 #include <stdexcept>
 
 namespace quince {
@@ -26,6 +28,10 @@ std::unique_ptr<Array> binary(BinaryOp op, const Array& a, const Array& b) {
     case BinaryOp::GreaterEqual: return boxed(mx::greater_equal(a, b));
     case BinaryOp::LogicalAnd: return boxed(mx::logical_and(a, b));
     case BinaryOp::LogicalOr: return boxed(mx::logical_or(a, b));
+    case BinaryOp::BitwiseAnd: return boxed(mx::bitwise_and(a, b));
+    case BinaryOp::BitwiseOr: return boxed(mx::bitwise_or(a, b));
+    case BinaryOp::LeftShift: return boxed(mx::left_shift(a, b));
+    case BinaryOp::RightShift: return boxed(mx::right_shift(a, b));
   }
   throw std::invalid_argument("unknown binary op");
 }
@@ -125,6 +131,10 @@ std::unique_ptr<Array> broadcast_to(const Array& a, rust::Slice<const int32_t> s
 std::unique_ptr<Array> flatten(const Array& a, int32_t start_axis, int32_t end_axis) {
   return boxed(mx::flatten(a, start_axis, end_axis));
 }
+
+std::unique_ptr<Array> unflatten(const Array& a, int32_t axis, rust::Slice<const int32_t> shape) {
+  return boxed(mx::unflatten(a, axis, mx::Shape(shape.begin(), shape.end())));
+}
 std::unique_ptr<Array> concatenate(const std::vector<Array>& arrays, int32_t axis) {
   return boxed(mx::concatenate(arrays, axis));
 }
@@ -180,6 +190,12 @@ std::unique_ptr<Array> where_(const Array& condition, const Array& x, const Arra
 }
 std::unique_ptr<Array> softmax(const Array& a, rust::Slice<const int32_t> axes, bool precise) {
   return boxed(mx::softmax(a, to_ints(axes), precise));
+}
+
+std::unique_ptr<Array> hadamard_transform(const Array& a, float scale) {
+  std::optional<float> s;
+  if (!std::isnan(scale)) s = scale;
+  return boxed(mx::hadamard_transform(a, s));
 }
 std::unique_ptr<Array> argpartition(const Array& a, int32_t kth, int32_t axis) {
   return boxed(mx::argpartition(a, kth, axis));

@@ -112,6 +112,7 @@ std::unique_ptr<Array> expand_dims(const Array& a, rust::Slice<const int32_t> ax
 std::unique_ptr<Array> squeeze(const Array& a, rust::Slice<const int32_t> axes);
 std::unique_ptr<Array> broadcast_to(const Array& a, rust::Slice<const int32_t> shape);
 std::unique_ptr<Array> flatten(const Array& a, int32_t start_axis, int32_t end_axis);
+std::unique_ptr<Array> unflatten(const Array& a, int32_t axis, rust::Slice<const int32_t> shape);
 std::unique_ptr<Array> concatenate(const std::vector<Array>& arrays, int32_t axis);
 std::unique_ptr<Array> stack(const std::vector<Array>& arrays, int32_t axis);
 std::unique_ptr<std::vector<Array>> split_sections(const Array& a, int32_t sections, int32_t axis);
@@ -135,6 +136,7 @@ std::unique_ptr<Array> put_along_axis(const Array& a, const Array& indices, cons
                                       int32_t axis);
 std::unique_ptr<Array> where_(const Array& condition, const Array& x, const Array& y);
 std::unique_ptr<Array> softmax(const Array& a, rust::Slice<const int32_t> axes, bool precise);
+std::unique_ptr<Array> hadamard_transform(const Array& a, float scale);
 std::unique_ptr<Array> argpartition(const Array& a, int32_t kth, int32_t axis);
 std::unique_ptr<Array> partition(const Array& a, int32_t kth, int32_t axis);
 std::unique_ptr<Array> topk(const Array& a, int32_t k, int32_t axis);

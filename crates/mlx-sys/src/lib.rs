@@ -61,6 +61,10 @@ pub mod ffi {
         GreaterEqual,
         LogicalAnd,
         LogicalOr,
+        BitwiseAnd,
+        BitwiseOr,
+        LeftShift,
+        RightShift,
     }
 
     /// Element-wise unary operations.
@@ -202,6 +206,7 @@ pub mod ffi {
         fn squeeze(a: &Array, axes: &[i32]) -> Result<UniquePtr<Array>>;
         fn broadcast_to(a: &Array, shape: &[i32]) -> Result<UniquePtr<Array>>;
         fn flatten(a: &Array, start_axis: i32, end_axis: i32) -> Result<UniquePtr<Array>>;
+        fn unflatten(a: &Array, axis: i32, shape: &[i32]) -> Result<UniquePtr<Array>>;
         fn concatenate(arrays: &CxxVector<Array>, axis: i32) -> Result<UniquePtr<Array>>;
         fn stack(arrays: &CxxVector<Array>, axis: i32) -> Result<UniquePtr<Array>>;
         fn split_sections(
@@ -250,6 +255,8 @@ pub mod ffi {
         ) -> Result<UniquePtr<Array>>;
         fn where_(condition: &Array, x: &Array, y: &Array) -> Result<UniquePtr<Array>>;
         fn softmax(a: &Array, axes: &[i32], precise: bool) -> Result<UniquePtr<Array>>;
+        /// `mx::hadamard_transform` along the last axis; `scale` NaN means MLX's default.
+        fn hadamard_transform(a: &Array, scale: f32) -> Result<UniquePtr<Array>>;
         fn argpartition(a: &Array, kth: i32, axis: i32) -> Result<UniquePtr<Array>>;
         fn partition(a: &Array, kth: i32, axis: i32) -> Result<UniquePtr<Array>>;
         fn topk(a: &Array, k: i32, axis: i32) -> Result<UniquePtr<Array>>;

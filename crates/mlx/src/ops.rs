@@ -59,6 +59,14 @@ binary_methods! {
     logical_and => LogicalAnd;
     /// Logical or.
     logical_or => LogicalOr;
+    /// Element-wise `&` of integers.
+    bitwise_and => BitwiseAnd;
+    /// Element-wise `|` of integers.
+    bitwise_or => BitwiseOr;
+    /// Element-wise `self << other` (integers).
+    left_shift => LeftShift;
+    /// Element-wise `self >> other` (integers).
+    right_shift => RightShift;
 }
 
 macro_rules! unary_methods {
@@ -270,6 +278,13 @@ impl Array {
         check(ffi::flatten(self.raw(), start_axis, end_axis)).map(Array::wrap)
     }
 
+    /// Splits axis `axis` into `shape` (whose product is its size); the other axes, whatever
+    /// their sizes, untouched (usable in a shapeless compiled graph, as `flatten` is).
+    #[track_caller]
+    pub fn unflatten(&self, axis: i32, shape: &[i32]) -> Result<Array> {
+        check(ffi::unflatten(self.raw(), axis, shape)).map(Array::wrap)
+    }
+
     /// Splits into `sections` equal parts along `axis`.
     #[track_caller]
     pub fn split_equal(&self, sections: i32, axis: i32) -> Result<Vec<Array>> {
@@ -343,6 +358,13 @@ impl Array {
     #[track_caller]
     pub fn put_along_axis(&self, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
         check(ffi::put_along_axis(self.raw(), indices.raw(), values.raw(), axis)).map(Array::wrap)
+    }
+
+    /// The Walsh–Hadamard transform along the last axis (Sylvester order, a power-of-two
+    /// width), times `scale` (MLX's default `1/√n` when `None`).
+    #[track_caller]
+    pub fn hadamard_transform(&self, scale: Option<f32>) -> Result<Array> {
+        check(ffi::hadamard_transform(self.raw(), scale.unwrap_or(f32::NAN))).map(Array::wrap)
     }
 
     /// Softmax over `axes`; `precise` accumulates in `f32` for half-precision inputs.

@@ -1,29 +1,44 @@
 //! A growable key/value buffer: every position ever appended stays visible.
 
-use mlx::{Array, ops};
+use mlx::Array;
 
+use super::kv::{self, KvEncoding, Precision};
 use super::{
     AttentionCache, AttentionRead, BidirectionalAttentionCache, BlockAttentionCache, Cache,
     CacheState, CommittedAttentionCache, CompiledDecodeCache, DecodeFetch, DecodeSlot, ReadMask,
-    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor, step_outputs,
+    check_append, check_signature, concat_slot, overlay_mask,
 };
 use crate::backend::Ops;
 use crate::error::{Error, Result};
 
 /// Buffers grow in steps of this many positions (as mlx-lm's `KVCache` does), so decode
 /// writes in place most of the time.
-const STEP: i32 = 256;
+const STEP: usize = 256;
 
-/// Keys and values in buffers `[B, H, capacity, D]`, valid up to the offset.
-#[derive(Debug, Default)]
+/// Keys and values in buffers `[B, H, capacity, ·]` (one per part of the codec they are
+/// stored in), valid up to the offset.
+#[derive(Debug)]
 pub struct PlainCache {
-    keys: Option<Array>,
-    values: Option<Array>,
+    parts: Option<Vec<Array>>,
     offset: usize,
-    /// The offset when the armed speculative round began.
-    round: Option<usize>,
+    /// The armed speculative round.
+    round: Option<Round>,
+    precision: Precision,
     /// What its reads run.
     ops: Ops,
+}
+
+/// What a round goes back to. Inside a round a due conversion waits for its end, so the
+/// positions a rollback drops never held quantized neighbours they would not have had.
+#[derive(Debug)]
+struct Round {
+    offset: usize,
+}
+
+impl Default for PlainCache {
+    fn default() -> PlainCache {
+        PlainCache::encoded(KvEncoding::full(), &Ops::mlx())
+    }
 }
 
 impl PlainCache {
@@ -34,69 +49,74 @@ impl PlainCache {
 
     /// An empty cache whose reads run `ops`.
     pub fn with_ops(ops: &Ops) -> PlainCache {
-        PlainCache { ops: ops.clone(), ..PlainCache::default() }
+        PlainCache::encoded(KvEncoding::full(), ops)
     }
 
-    /// Writes `keys`/`values` at the offset, growing the buffers when needed, and returns the
-    /// valid prefix `[.., :offset + L, ..]`.
-    fn write(&mut self, keys: &Array, values: &Array, length: usize) -> Result<(Array, Array)> {
-        let start = self.offset as i32;
-        let end = start + length as i32;
-        let (mut kbuf, mut vbuf) = self.reserve(keys, values, end)?;
-        let kshape = keys.shape();
-        let vshape = values.shape();
-        kbuf = kbuf.slice_update(
-            keys,
-            &[0, 0, start, 0],
-            &[kshape[0], kshape[1], end, kshape[3]],
-            &[1, 1, 1, 1],
-        )?;
-        vbuf = vbuf.slice_update(
-            values,
-            &[0, 0, start, 0],
-            &[vshape[0], vshape[1], end, vshape[3]],
-            &[1, 1, 1, 1],
-        )?;
-        let read_k = kbuf.slice(&[0, 0, 0, 0], &bounds(&kbuf, end)?, &[1, 1, 1, 1])?;
-        let read_v = vbuf.slice(&[0, 0, 0, 0], &bounds(&vbuf, end)?, &[1, 1, 1, 1])?;
-        self.keys = Some(kbuf);
-        self.values = Some(vbuf);
-        self.offset += length;
-        Ok((read_k, read_v))
-    }
-}
-
-impl PlainCache {
-    /// The buffers, grown (in steps of [`STEP`] positions) to hold at least `end` positions;
-    /// new buffers shaped like `keys`/`values` when there are none.
-    fn reserve(&self, keys: &Array, values: &Array, end: i32) -> Result<(Array, Array)> {
-        let start = self.offset as i32;
-        let (mut kbuf, mut vbuf) = match (&self.keys, &self.values) {
-            (Some(k), Some(v)) => (k.clone(), v.clone()),
-            _ => (empty_like(keys, 0)?, empty_like(values, 0)?),
-        };
-        let capacity = kbuf.dim(2)?;
-        if end > capacity {
-            let grow = (end - capacity + STEP - 1) / STEP * STEP;
-            let valid_k = kbuf.slice(&[0, 0, 0, 0], &bounds(&kbuf, start)?, &[1, 1, 1, 1])?;
-            let valid_v = vbuf.slice(&[0, 0, 0, 0], &bounds(&vbuf, start)?, &[1, 1, 1, 1])?;
-            kbuf = ops::concatenate(&[&valid_k, &empty_like(keys, capacity - start + grow)?], 2)?;
-            vbuf = ops::concatenate(&[&valid_v, &empty_like(values, capacity - start + grow)?], 2)?;
+    /// An empty cache of `encoding` whose reads run `ops`.
+    pub fn encoded(encoding: KvEncoding, ops: &Ops) -> PlainCache {
+        PlainCache {
+            parts: None,
+            offset: 0,
+            round: None,
+            precision: Precision::new(encoding),
+            ops: ops.clone(),
         }
-        Ok((kbuf, vbuf))
     }
-}
 
-/// `[B, H, n, D]` zeros shaped like `like` along every axis but 2.
-fn empty_like(like: &Array, n: i32) -> Result<Array> {
-    let s = like.shape();
-    Ok(ops::zeros(&[s[0], s[1], n, s[3]], like.dtype())?)
-}
+    /// Encodes `keys`/`values`, writes them at the offset (growing the buffers when needed)
+    /// and returns the valid prefix.
+    fn write(&mut self, keys: &Array, values: &Array, length: usize) -> Result<Vec<Array>> {
+        if self.round.is_some() {
+            self.precision.check_round_append(self.offset, length)?;
+        }
+        let new = self.precision.codec().encode_kv(keys, values)?;
+        let end = self.offset + length;
+        let buffers = self.reserve(&new, end)?;
+        let buffers = kv::write_positions(&buffers, &new, self.offset)?;
+        let read = kv::positions(&buffers, 0, end)?;
+        self.parts = Some(buffers);
+        self.offset = end;
+        Ok(read)
+    }
 
-/// Slice bounds covering positions `..end` of a `[B, H, N, D]` buffer.
-fn bounds(buffer: &Array, end: i32) -> Result<Vec<i32>> {
-    let s = buffer.shape();
-    Ok(vec![s[0], s[1], end, s[3]])
+    /// The buffers, grown (in steps of [`STEP`] positions) to hold at least `end` positions;
+    /// new ones shaped like `new` when there are none.
+    fn reserve(&self, new: &[Array], end: usize) -> Result<Vec<Array>> {
+        let Some(buffers) = &self.parts else {
+            return kv::zero_positions(new, 0).and_then(|empty| self.grown(&empty, end));
+        };
+        self.grown(buffers, end)
+    }
+
+    fn grown(&self, buffers: &[Array], end: usize) -> Result<Vec<Array>> {
+        let capacity = kv::position_count(buffers)?;
+        if end <= capacity {
+            return Ok(buffers.to_vec());
+        }
+        let grow = (end - capacity).div_ceil(STEP) * STEP;
+        let valid = kv::positions(buffers, 0, self.offset)?;
+        kv::concat_positions(&valid, &kv::zero_positions(buffers, capacity - self.offset + grow)?)
+    }
+
+    /// Applies a due conversion (outside rounds).
+    fn settle(&mut self) -> Result<()> {
+        if self.round.is_some() || !self.precision.due(self.offset) {
+            return Ok(());
+        }
+        if let Some(parts) = &self.parts {
+            let valid = kv::positions(parts, 0, self.offset)?;
+            self.parts = Some(self.precision.convert(&valid, self.offset)?);
+        }
+        Ok(())
+    }
+
+    /// The valid positions' parts, `None` while empty.
+    fn valid(&self) -> Result<Option<Vec<Array>>> {
+        match &self.parts {
+            Some(parts) => Ok(Some(kv::positions(parts, 0, self.offset)?)),
+            None => Ok(None),
+        }
+    }
 }
 
 impl Cache for PlainCache {
@@ -105,29 +125,37 @@ impl Cache for PlainCache {
     }
 
     fn signature(&self) -> String {
-        "plain".into()
+        format!("plain{}", self.precision.encoding().signature())
     }
 
     fn bytes_per_token(&self) -> usize {
-        super::bytes_per_position(self.keys.as_ref(), self.values.as_ref())
+        self.parts.as_deref().map_or(0, kv::bytes_per_position)
     }
 
     fn stored_positions(&self) -> usize {
         self.offset
     }
 
+    fn max_append(&self) -> Option<usize> {
+        self.precision.max_append(self.offset)
+    }
+
+    fn minimum_reusable_offset(&self) -> usize {
+        self.precision.minimum_reusable_offset()
+    }
+
     fn buffers(&self) -> Vec<Array> {
-        self.keys.iter().chain(&self.values).cloned().collect()
+        self.parts.clone().unwrap_or_default()
     }
 
     fn state(&self) -> Result<CacheState> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+        let Some(parts) = self.valid()? else {
             return Err(Error::InvalidRequest("an empty cache has no state to save".into()));
         };
-        let end = self.offset as i32;
-        let keys = k.slice(&[0, 0, 0, 0], &bounds(k, end)?, &[1, 1, 1, 1])?;
-        let values = v.slice(&[0, 0, 0, 0], &bounds(v, end)?, &[1, 1, 1, 1])?;
-        Ok(state_of(self.signature(), self.offset, keys, values))
+        let mut state =
+            CacheState::of(self.signature(), self.offset, self.precision.codec(), parts);
+        self.precision.save(&mut state.metadata);
+        Ok(state)
     }
 
     fn restore(&mut self, state: &CacheState) -> Result<()> {
@@ -136,17 +164,17 @@ impl Cache for PlainCache {
         }
         check_signature(state, &self.signature())?;
         let offset = state.number("offset")?;
-        let keys = state_tensor(state, "keys")?;
-        let values = state_tensor(state, "values")?;
-        if keys.dim(2)? as usize != offset || values.dim(2)? as usize != offset {
+        let precision = self.precision.restored(state, offset)?;
+        let parts = state.parts(precision.codec())?;
+        if kv::position_count(&parts)? != offset {
             return Err(Error::InvalidRequest(format!(
                 "plain cache state holds {} positions, offset says {offset}",
-                keys.dim(2)?
+                kv::position_count(&parts)?
             )));
         }
-        self.keys = Some(keys.clone());
-        self.values = Some(values.clone());
+        self.parts = Some(parts);
         self.offset = offset;
+        self.precision = precision;
         Ok(())
     }
 
@@ -159,6 +187,13 @@ impl Cache for PlainCache {
             return Err(super::round_error("no trim inside a round"));
         }
         let n = n.min(self.offset);
+        let floor = self.minimum_reusable_offset();
+        if self.offset - n < floor {
+            return Err(Error::InvalidRequest(format!(
+                "a cache converted at {floor} positions cannot be trimmed to {}",
+                self.offset - n
+            )));
+        }
         self.offset -= n;
         Ok(n)
     }
@@ -167,16 +202,18 @@ impl Cache for PlainCache {
         if self.round.is_some() {
             return Err(super::round_error("a round is already armed"));
         }
-        self.round = Some(self.offset);
+        self.round = Some(Round { offset: self.offset });
         Ok(())
     }
 
     fn spec_round_commit(&mut self) -> Result<()> {
-        self.round.take().map(|_| ()).ok_or_else(|| super::round_error("commit without a round"))
+        self.round.take().ok_or_else(|| super::round_error("commit without a round"))?;
+        self.settle()
     }
 
     fn spec_round_rollback(&mut self, keep: usize) -> Result<()> {
-        let start = self.round.ok_or_else(|| super::round_error("rollback without a round"))?;
+        let start = self.round.as_ref().map(|r| r.offset);
+        let start = start.ok_or_else(|| super::round_error("rollback without a round"))?;
         let appended = self.offset - start;
         if keep > appended {
             return Err(super::round_error(&format!(
@@ -186,7 +223,7 @@ impl Cache for PlainCache {
         // Positions past the offset are never read and the next append overwrites them.
         self.offset = start + keep;
         self.round = None;
-        Ok(())
+        self.settle()
     }
 
     fn as_attention(&self) -> Option<&dyn AttentionCache> {
@@ -201,25 +238,25 @@ impl Cache for PlainCache {
 impl AttentionCache for PlainCache {
     fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         let length = check_append(keys, values, true)?;
-        let (k, v) = self.write(keys, values, length)?;
-        Ok(AttentionRead::one_query(k, v, &self.ops))
+        let parts = self.write(keys, values, length)?;
+        let read = AttentionRead::one_query(parts, self.precision.codec(), &self.ops);
+        self.settle()?;
+        Ok(read)
     }
 
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         let length = check_append(keys, values, false)?;
-        let (k, v) = self.write(keys, values, length)?;
+        let parts = self.write(keys, values, length)?;
         let mask = if length == 1 { ReadMask::None } else { ReadMask::Causal };
-        Ok(AttentionRead::masked(k, v, mask, &self.ops))
+        let read = AttentionRead::masked(parts, self.precision.codec(), mask, &self.ops);
+        self.settle()?;
+        Ok(read)
     }
 
     fn donor_read(&self) -> Result<Option<AttentionRead>> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
-            return Ok(None);
-        };
-        let end = self.offset as i32;
-        let keys = k.slice(&[0, 0, 0, 0], &bounds(k, end)?, &[1, 1, 1, 1])?;
-        let values = v.slice(&[0, 0, 0, 0], &bounds(v, end)?, &[1, 1, 1, 1])?;
-        Ok(Some(AttentionRead::one_query(keys, values, &self.ops)))
+        Ok(self
+            .valid()?
+            .map(|parts| AttentionRead::one_query(parts, self.precision.codec(), &self.ops)))
     }
 
     fn bidirectional(&mut self) -> Option<&mut dyn BidirectionalAttentionCache> {
@@ -243,7 +280,7 @@ impl CommittedAttentionCache for PlainCache {}
 
 impl BlockAttentionCache for PlainCache {
     fn read_block(&self, keys: &Array, values: &Array) -> Result<AttentionRead> {
-        super::block_read(self.donor_read()?, keys, values, &self.ops)
+        super::block_read(self.donor_read()?, keys, values, self.precision.codec(), &self.ops)
     }
 }
 
@@ -257,30 +294,34 @@ impl BidirectionalAttentionCache for PlainCache {
         let length = check_append(keys, values, false)?;
         super::check_flags(flags, length)?;
         let mask = overlay_mask(self.offset, flags, None)?;
-        let (k, v) = self.write(keys, values, length)?;
-        Ok(AttentionRead::masked(k, v, ReadMask::Array(mask), &self.ops))
+        let parts = self.write(keys, values, length)?;
+        let read =
+            AttentionRead::masked(parts, self.precision.codec(), ReadMask::Array(mask), &self.ops);
+        self.settle()?;
+        Ok(read)
     }
 }
 
 impl CompiledDecodeCache for PlainCache {
     fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
-        match (&self.keys, &self.values) {
-            (Some(k), Some(v)) if self.round.is_none() => Ok(Some(concat_slot(k, v, self.offset)?)),
+        match &self.parts {
+            Some(parts) if self.round.is_none() => {
+                Ok(Some(concat_slot(parts, self.offset, self.precision.codec())?))
+            }
             _ => Ok(None),
         }
     }
 
     fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
-        let (keys, values) = step_outputs(outputs)?;
         if fetch != DecodeFetch::Concat {
             return Err(Error::InvalidRequest("a plain cache is read by concatenation".into()));
         }
+        super::step_outputs(&outputs, self.precision.codec())?;
         // The step's read is the stored positions: it becomes the buffer (no spare capacity;
         // the next uncompiled write grows it).
-        self.keys = Some(keys);
-        self.values = Some(values);
+        self.parts = Some(outputs);
         self.offset += 1;
-        Ok(())
+        self.settle()
     }
 
     fn abort_decode_step(&mut self, _slot: DecodeSlot) {}

@@ -1,14 +1,17 @@
 //! [`CachePlan`]: which storage each layer with state gets, decided by the model from its config
 //! (the family's rule) and built in one place, so a new storage is one file and one
-//! [`Storage`] variant here.
+//! [`Layout`] variant or [`KvFormat`] here. A user's [`KvOptions`] turn the family's plan into
+//! the plan of one reply ([`CachePlan::with_kv`]).
 
-use super::{Cache, PlainCache, RotatingCache};
+use serde::{Deserialize, Serialize};
+
+use super::{Cache, KvEncoding, KvFormat, PlainCache, RotatingCache};
 use crate::backend::Ops;
 use crate::error::{Error, Result};
 
-/// One layer's storage and its parameters.
+/// Where a layer keeps its positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Storage {
+pub enum Layout {
     /// Every position, in a growing buffer ([`PlainCache`]).
     Plain,
     /// The last `window` positions, in a ring ([`RotatingCache`]).
@@ -18,32 +21,180 @@ pub enum Storage {
     },
 }
 
+/// One layer's storage: its layout and how it encodes keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Storage {
+    /// Where positions live.
+    pub layout: Layout,
+    /// How they are encoded.
+    pub kv: KvEncoding,
+}
+
 impl Storage {
+    /// Every position, in full precision.
+    pub fn plain() -> Storage {
+        Storage { layout: Layout::Plain, kv: KvEncoding::full() }
+    }
+
+    /// The last `window` positions, in full precision.
+    pub fn rotating(window: usize) -> Storage {
+        Storage { layout: Layout::Rotating { window }, kv: KvEncoding::full() }
+    }
+
     /// An empty cache of this storage whose reads run `ops`.
     pub fn build(self, ops: &Ops) -> Result<Box<dyn Cache>> {
-        Ok(match self {
-            Storage::Plain => Box::new(PlainCache::with_ops(ops)),
-            Storage::Rotating { window } => Box::new(RotatingCache::new(window)?.with_ops(ops)),
+        Ok(match self.layout {
+            Layout::Plain => Box::new(PlainCache::encoded(self.kv, ops)),
+            Layout::Rotating { window } => Box::new(RotatingCache::encoded(window, self.kv, ops)?),
         })
+    }
+
+    /// Bytes one more position costs in a layer of `shape` once converted (one row).
+    pub fn bytes_per_token(&self, shape: &KvShape) -> usize {
+        shape.bytes(&self.kv.format)
+    }
+
+    /// Bytes this layer holds after `tokens` positions: a ring holds at most its window, and
+    /// storage converts once its start is reached (before, it holds full precision).
+    pub fn projected_bytes(&self, shape: &KvShape, tokens: usize) -> usize {
+        let held = match self.layout {
+            Layout::Plain => tokens,
+            Layout::Rotating { window } => tokens.min(window),
+        };
+        if tokens > 0 && tokens >= self.kv.start {
+            held * shape.bytes(&self.kv.format)
+        } else {
+            held * shape.bytes(&KvFormat::Full)
+        }
     }
 }
 
-/// Per layer that keeps state, in layer order, its storage (KV-sharing layers keep none, so a
-/// plan can be shorter than the model's layer list).
+/// The geometry of one layer's keys and values: what bytes per token are computed from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of a key and of a value.
+    pub head_dim: usize,
+    /// Bytes of one full-precision value (2 for bf16, 4 for f32).
+    pub dtype_bytes: usize,
+}
+
+impl KvShape {
+    /// Bytes one position of keys and values takes in `format`.
+    pub fn bytes(&self, format: &KvFormat) -> usize {
+        2 * self.kv_heads * format.bytes_per_vector(self.head_dim, self.dtype_bytes)
+    }
+}
+
+/// Which layers a KV choice applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
+#[serde(rename_all = "snake_case")]
+pub enum KvLayers {
+    /// Every layer with keys and values, sliding windows included.
+    #[default]
+    All,
+    /// Full-attention layers only: sliding windows stay in full precision (what mlx-lm
+    /// quantizes).
+    Full,
+}
+
+/// A user's KV cache choice for a reply: the format, where it starts, which layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
+#[serde(default)]
+pub struct KvOptions {
+    /// How keys and values are stored.
+    pub format: KvFormat,
+    /// Positions kept in full precision before the conversion (mlx-lm's `quantized_kv_start`).
+    pub quantized_start: usize,
+    /// The layers it applies to.
+    pub layers: KvLayers,
+}
+
+impl KvOptions {
+    /// Full precision everywhere (the default).
+    pub fn full() -> KvOptions {
+        KvOptions::default()
+    }
+
+    /// Whether this leaves every layer in full precision.
+    pub fn is_full(&self) -> bool {
+        self.format.is_full()
+    }
+}
+
+/// Per layer that keeps state, in layer order, its storage and the geometry of its keys and
+/// values (KV-sharing layers keep none, so a plan can be shorter than the model's layer list).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CachePlan {
     layers: Vec<Storage>,
+    shapes: Vec<KvShape>,
 }
 
 impl CachePlan {
-    /// A plan of these storages, one per layer with state.
-    pub fn new(layers: Vec<Storage>) -> CachePlan {
-        CachePlan { layers }
+    /// A plan of these storages, one per layer with state, with each layer's geometry.
+    pub fn new(layers: Vec<Storage>, shapes: Vec<KvShape>) -> CachePlan {
+        CachePlan { layers, shapes }
     }
 
     /// Each layer's storage.
     pub fn layers(&self) -> &[Storage] {
         &self.layers
+    }
+
+    /// Each layer's geometry.
+    pub fn shapes(&self) -> &[KvShape] {
+        &self.shapes
+    }
+
+    /// This plan under a user's KV choice: each layer it applies to takes its format and
+    /// start (sliding windows too unless `layers` is [`KvLayers::Full`]). Refused when the
+    /// format does not fit a layer's head dimension.
+    pub fn with_kv(&self, options: &KvOptions) -> Result<CachePlan> {
+        let applies = |storage: &Storage| {
+            !matches!((storage.layout, options.layers), (Layout::Rotating { .. }, KvLayers::Full))
+        };
+        let dims: Vec<usize> = self
+            .layers
+            .iter()
+            .zip(&self.shapes)
+            .filter(|(storage, _)| applies(storage))
+            .map(|(_, shape)| shape.head_dim)
+            .collect();
+        options.format.validate(&dims)?;
+        let encoding = KvEncoding { format: options.format, start: options.quantized_start };
+        let layers = self
+            .layers
+            .iter()
+            .map(
+                |storage| {
+                    if applies(storage) { Storage { kv: encoding, ..*storage } } else { *storage }
+                },
+            )
+            .collect();
+        Ok(CachePlan { layers, shapes: self.shapes.clone() })
+    }
+
+    /// Bytes the whole stack holds after `tokens` positions (one row).
+    pub fn projected_bytes(&self, tokens: usize) -> usize {
+        self.layers
+            .iter()
+            .zip(&self.shapes)
+            .map(|(s, shape)| s.projected_bytes(shape, tokens))
+            .sum()
+    }
+
+    /// Bytes one more position costs over the whole stack once converted (one row).
+    pub fn bytes_per_token(&self) -> usize {
+        self.layers.iter().zip(&self.shapes).map(|(s, shape)| s.bytes_per_token(shape)).sum()
+    }
+
+    /// The stack's storages, as a checkpoint records them (`;`-joined signatures).
+    pub fn signature(&self) -> Result<String> {
+        let caches = self.build(&Ops::mlx(), self.layers.len())?;
+        Ok(caches.iter().map(|c| c.signature()).collect::<Vec<_>>().join(";"))
     }
 
     /// Fresh caches, one per layer, reading with `ops`; `expected` is how many layers the

@@ -4,6 +4,7 @@
 use mlx::Array;
 use mlx::fast::{AttentionMask, scaled_dot_product_attention};
 
+use super::kv::Codec;
 use crate::backend::Ops;
 use crate::error::{Error, Result};
 
@@ -21,62 +22,80 @@ pub(crate) enum ReadMask {
 /// How a read attends, fixed when its cache builds it.
 #[derive(Debug, Clone)]
 enum Kernel {
-    /// One query position over every key: [`Ops::attend_one`] (Quince's kernel on CUDA).
+    /// One query position over every key: [`Ops::attend_one`] on full precision (Quince's
+    /// kernel on CUDA), the codec's products on encoded storage.
     OneQuery,
-    /// MLX's fused attention with this mask.
+    /// Attention under this mask (MLX's fused attention on full precision).
     Masked(ReadMask),
     /// Query `i` of a committed span attends with read `i`: each a one-position read, so the
     /// span keeps a decode step's reduction order.
     PerQuery(Vec<AttentionRead>),
+    /// Row `b` of a batch attends with read `b` (rows whose storages hold different codecs:
+    /// some converted to their quantized format, some not yet).
+    PerRow(Vec<AttentionRead>),
 }
 
 /// Attention over the positions one phase-named append may see. Owns its handles.
 #[derive(Debug, Clone)]
 pub struct AttentionRead {
-    pub(super) keys: Array,
-    pub(super) values: Array,
+    /// The stored keys' and values' parts in `codec` (see [`super::kv`]).
+    pub(super) parts: Vec<Array>,
+    pub(super) codec: Codec,
     kernel: Kernel,
     ops: Ops,
 }
 
 impl AttentionRead {
-    /// A read of every position of `keys`/`values` by one query at a time (a decode step, a
-    /// window of one position, a donor's read).
-    pub(crate) fn one_query(keys: Array, values: Array, ops: &Ops) -> AttentionRead {
-        AttentionRead { keys, values, kernel: Kernel::OneQuery, ops: ops.clone() }
+    /// A read of every position of `parts` by one query at a time (a decode step, a window of
+    /// one position, a donor's read).
+    pub(crate) fn one_query(parts: Vec<Array>, codec: &Codec, ops: &Ops) -> AttentionRead {
+        AttentionRead { parts, codec: codec.clone(), kernel: Kernel::OneQuery, ops: ops.clone() }
     }
 
     /// A read under `mask`; a window of one position with every key visible is a one-query read.
-    pub(crate) fn masked(keys: Array, values: Array, mask: ReadMask, ops: &Ops) -> AttentionRead {
+    pub(crate) fn masked(
+        parts: Vec<Array>,
+        codec: &Codec,
+        mask: ReadMask,
+        ops: &Ops,
+    ) -> AttentionRead {
         let kernel = match mask {
             ReadMask::None => Kernel::OneQuery,
             mask => Kernel::Masked(mask),
         };
-        AttentionRead { keys, values, kernel, ops: ops.clone() }
+        AttentionRead { parts, codec: codec.clone(), kernel, ops: ops.clone() }
     }
 
-    /// A read where every query sees every position of `keys`/`values` (a block read: the
-    /// stored context and the block itself).
-    pub(crate) fn all_visible(keys: Array, values: Array, ops: &Ops) -> AttentionRead {
-        AttentionRead { keys, values, kernel: Kernel::Masked(ReadMask::None), ops: ops.clone() }
+    /// A read where every query sees every position of `parts` (a block read: the stored
+    /// context and the block itself).
+    pub(crate) fn all_visible(parts: Vec<Array>, codec: &Codec, ops: &Ops) -> AttentionRead {
+        let kernel = Kernel::Masked(ReadMask::None);
+        AttentionRead { parts, codec: codec.clone(), kernel, ops: ops.clone() }
     }
 
     /// A committed span's read: query `i` attends with `reads[i]`, the one-position read of
     /// its own append. `None` for an empty span.
     pub(crate) fn per_query(reads: Vec<AttentionRead>) -> Option<AttentionRead> {
         let last = reads.last()?;
-        let (keys, values, ops) = (last.keys.clone(), last.values.clone(), last.ops.clone());
-        Some(AttentionRead { keys, values, kernel: Kernel::PerQuery(reads), ops })
+        let (parts, codec, ops) = (last.parts.clone(), last.codec.clone(), last.ops.clone());
+        Some(AttentionRead { parts, codec, kernel: Kernel::PerQuery(reads), ops })
     }
 
-    /// The mask this read applies (`None` for a one-query read); a committed span's read has
-    /// none that one array could say.
+    /// A batch's read where row `b` attends with `reads[b]`. `None` for no rows.
+    pub(crate) fn per_row(reads: Vec<AttentionRead>) -> Option<AttentionRead> {
+        let first = reads.first()?;
+        let (parts, codec, ops) = (first.parts.clone(), first.codec.clone(), first.ops.clone());
+        Some(AttentionRead { parts, codec, kernel: Kernel::PerRow(reads), ops })
+    }
+
+    /// The mask this read applies (`None` for a one-query read); a committed span's or a
+    /// batch's per-row read has none that one array could say.
     pub(crate) fn mask(&self) -> Result<ReadMask> {
         match &self.kernel {
             Kernel::OneQuery => Ok(ReadMask::None),
             Kernel::Masked(mask) => Ok(mask.clone()),
-            Kernel::PerQuery(_) => {
-                Err(Error::InvalidRequest("a committed span's read is not a masked read".into()))
+            Kernel::PerQuery(_) | Kernel::PerRow(_) => {
+                Err(Error::InvalidRequest("a read of several reads is not a masked read".into()))
             }
         }
     }
@@ -84,6 +103,12 @@ impl AttentionRead {
     /// The ops it attends with.
     pub(crate) fn ops(&self) -> &Ops {
         &self.ops
+    }
+
+    /// The stored keys and values it reads, decoded to floating point (what a naive
+    /// recompute over the same stored values attends).
+    pub fn keys_values(&self) -> Result<(Array, Array)> {
+        self.codec.decode(&self.parts)
     }
 
     /// Attends queries `q` `[B, Hq, L, D]` (positional encoding applied; `Hq` a multiple of the
@@ -95,7 +120,7 @@ impl AttentionRead {
         let queries = q.dim(2)?;
         let mask = match &self.kernel {
             Kernel::OneQuery if queries == 1 => {
-                return self.ops.attend_one(q, &self.keys, &self.values, scale);
+                return self.codec.attend(q, &self.parts, scale, AttentionMask::None, &self.ops);
             }
             Kernel::OneQuery => {
                 return Err(Error::InvalidRequest(format!(
@@ -104,6 +129,7 @@ impl AttentionRead {
             }
             Kernel::Masked(mask) => mask,
             Kernel::PerQuery(reads) => return attend_each(reads, q, scale),
+            Kernel::PerRow(reads) => return attend_rows(reads, q, scale),
         };
         let trimmed;
         let mask = match mask {
@@ -124,12 +150,30 @@ impl AttentionRead {
                 }
             }
         };
-        Ok(scaled_dot_product_attention(q, &self.keys, &self.values, scale, mask, None)?)
+        // A full-precision read under no mask goes to MLX's fused attention, not the one-query
+        // kernel: a block read's queries are many.
+        match (&self.codec, mask) {
+            (Codec::Full, AttentionMask::None) => {
+                let [k, v] = &self.parts[..] else {
+                    return Err(Error::InvalidRequest("full keys and values are 2 parts".into()));
+                };
+                Ok(scaled_dot_product_attention(q, k, v, scale, AttentionMask::None, None)?)
+            }
+            (_, mask) => self.codec.attend(q, &self.parts, scale, mask, &self.ops),
+        }
+    }
+
+    /// This read with a block's own `keys`/`values` after its positions, every position
+    /// visible to every query (a block read over a cache's donor read).
+    pub(crate) fn with_block(&self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        let block = self.codec.encode_kv(keys, values)?;
+        let parts = super::kv::concat_positions(&self.parts, &block)?;
+        Ok(AttentionRead::all_visible(parts, &self.codec, &self.ops))
     }
 
     /// Number of key positions the read covers.
     pub fn len(&self) -> Result<usize> {
-        Ok(self.keys.dim(2)? as usize)
+        super::kv::position_count(&self.parts)
     }
 
     /// Whether the read covers no position.
@@ -158,6 +202,28 @@ fn attend_each(reads: &[AttentionRead], q: &Array, scale: f32) -> Result<Array> 
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(mlx::ops::concatenate(&outputs.iter().collect::<Vec<_>>(), 2)?)
+}
+
+/// Queries `q` `[B, Hq, L, D]`, row `b` through `reads[b]`.
+fn attend_rows(reads: &[AttentionRead], q: &Array, scale: f32) -> Result<Array> {
+    let s = q.shape();
+    if s[0] as usize != reads.len() {
+        return Err(Error::InvalidRequest(format!(
+            "{} query rows for a batch of {}",
+            s[0],
+            reads.len()
+        )));
+    }
+    let outputs = reads
+        .iter()
+        .enumerate()
+        .map(|(b, read)| {
+            let b = b as i32;
+            let row = q.slice(&[b, 0, 0, 0], &[b + 1, s[1], s[2], s[3]], &[1; 4])?;
+            read.attend(&row, scale)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(mlx::ops::concatenate(&outputs.iter().collect::<Vec<_>>(), 0)?)
 }
 
 /// Block id per position: the index of its run of consecutive `flags`, or −1.

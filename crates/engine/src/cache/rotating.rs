@@ -8,20 +8,21 @@
 
 use mlx::{Array, Dtype, ops};
 
+use super::kv::{self, KvEncoding, Precision};
 use super::{
     AttentionCache, AttentionRead, BidirectionalAttentionCache, BlockAttentionCache, Cache,
     CacheState, CommittedAttentionCache, CompiledDecodeCache, DecodeFetch, DecodeSlot, ReadMask,
-    check_append, check_signature, concat_slot, overlay_mask, state_of, state_tensor, step_outputs,
+    SlotKind, check_append, check_signature, concat_slot, overlay_mask,
 };
 use crate::backend::Ops;
 use crate::error::{Error, Result};
 
-/// Keys and values of the last `window` positions.
+/// Keys and values of the last `window` positions, in the parts of the codec they are stored
+/// in.
 #[derive(Debug)]
 pub struct RotatingCache {
     window: usize,
-    keys: Option<Array>,
-    values: Option<Array>,
+    parts: Option<Vec<Array>>,
     /// Stored positions, at most `window`.
     len: usize,
     /// Where the next decode writes: `len` until full, then the oldest slot.
@@ -29,26 +30,32 @@ pub struct RotatingCache {
     offset: usize,
     /// The armed speculative round.
     round: Option<Round>,
+    precision: Precision,
     /// What its reads run.
     ops: Ops,
 }
 
-/// What an armed round goes back to: the ring as it was, and every position appended since.
+/// What an armed round goes back to: the ring as it was, and every position appended since
+/// (encoded: a due conversion waits for the round's end, so the codec does not change inside
+/// it).
 #[derive(Debug)]
 struct Round {
-    keys: Option<Array>,
-    values: Option<Array>,
+    parts: Option<Vec<Array>>,
     len: usize,
     cursor: usize,
     offset: usize,
-    appended_keys: Vec<Array>,
-    appended_values: Vec<Array>,
+    appended: Vec<Vec<Array>>,
 }
 
 impl RotatingCache {
     /// An empty ring for a sliding window of `window` positions (a key is visible to a query
     /// `window − 1` positions later, not `window`).
     pub fn new(window: usize) -> Result<RotatingCache> {
+        RotatingCache::encoded(window, KvEncoding::full(), &Ops::mlx())
+    }
+
+    /// An empty ring of `encoding` whose reads run `ops`.
+    pub fn encoded(window: usize, encoding: KvEncoding, ops: &Ops) -> Result<RotatingCache> {
         if window == 0 {
             return Err(Error::InvalidRequest(
                 "a sliding window needs at least one position".into(),
@@ -56,13 +63,13 @@ impl RotatingCache {
         }
         Ok(RotatingCache {
             window,
-            keys: None,
-            values: None,
+            parts: None,
             len: 0,
             cursor: 0,
             offset: 0,
             round: None,
-            ops: Ops::mlx(),
+            precision: Precision::new(encoding),
+            ops: ops.clone(),
         })
     }
 
@@ -77,102 +84,61 @@ impl RotatingCache {
         self.window
     }
 
-    /// The last `n` stored positions in temporal order (`n <= len`).
-    fn recent(&self, buffer: &Array, n: usize) -> Result<Option<Array>> {
+    /// The last `n` stored positions of `buffers` in temporal order (`n <= len`).
+    fn recent(&self, buffers: &[Array], n: usize) -> Result<Option<Vec<Array>>> {
         if n == 0 {
             return Ok(None);
         }
-        let s = buffer.shape();
-        let span = |from: usize, to: usize| {
-            buffer.slice(&[0, 0, from as i32, 0], &[s[0], s[1], to as i32, s[3]], &[1, 1, 1, 1])
-        };
         let ordered = if self.len < self.window || self.cursor == 0 {
-            span(self.len - n, self.len)?
+            kv::positions(buffers, self.len - n, self.len)?
         } else {
             // Full ring: oldest at `cursor`. Temporal order is [cursor..window] ++ [0..cursor].
-            let tail = span(self.cursor, self.window)?;
-            let head = span(0, self.cursor)?;
-            let all = ops::concatenate(&[&tail, &head], 2)?;
-            all.slice(
-                &[0, 0, (self.window - n) as i32, 0],
-                &[s[0], s[1], self.window as i32, s[3]],
-                &[1, 1, 1, 1],
-            )?
+            let tail = kv::positions(buffers, self.cursor, self.window)?;
+            let head = kv::positions(buffers, 0, self.cursor)?;
+            let all = kv::concat_positions(&tail, &head)?;
+            kv::positions(&all, self.window - n, self.window)?
         };
         Ok(Some(ordered))
     }
 
-    /// A zeroed `[B, H, window, D]` buffer shaped like `like` on the other axes.
-    fn empty_like(&self, like: &Array) -> Result<Array> {
-        let s = like.shape();
-        Ok(ops::zeros(&[s[0], s[1], self.window as i32, s[3]], like.dtype())?)
-    }
-
-    /// A `[B, H, window, D]` buffer holding `entries` (`[B, H, n, D]`, n <= window) at `0..n`.
-    fn buffer_from(&self, entries: &Array) -> Result<Array> {
-        let s = entries.shape();
-        let n = s[2];
-        let w = self.window as i32;
-        if n == w {
-            return Ok(entries.clone());
+    /// The stored positions in temporal order, `None` while empty.
+    fn temporal(&self) -> Result<Option<Vec<Array>>> {
+        match &self.parts {
+            Some(parts) => self.recent(parts, self.len),
+            None => Ok(None),
         }
-        let zeros = ops::zeros(&[s[0], s[1], w - n, s[3]], entries.dtype())?;
-        Ok(ops::concatenate(&[entries, &zeros], 2)?)
     }
 
-    /// `buffer` with all `window` slots: a compiled decode step before the ring fills stores
-    /// exactly the positions it holds, which a write into the ring pads out first.
-    fn full_size(&self, buffer: &Array) -> Result<Array> {
-        if buffer.dim(2)? as usize == self.window {
-            return Ok(buffer.clone());
+    /// Buffers with all `window` slots holding `entries` (`n <= window` positions) at `0..n`.
+    fn buffer_from(&self, entries: &[Array]) -> Result<Vec<Array>> {
+        let n = kv::position_count(entries)?;
+        if n == self.window {
+            return Ok(entries.to_vec());
         }
-        self.buffer_from(buffer)
+        kv::concat_positions(entries, &kv::zero_positions(entries, self.window - n)?)
     }
 
-    /// Stores `keys`/`values` (`[B, H, L, D]`) in the slots `L` decode steps would write: the
+    /// Stores `new` (encoded, `L` positions) in the slots `L` decode steps would write: the
     /// ring keeps the last `window` positions, position `p` in slot `(cursor + p − offset) mod
     /// window`. What a speculative round's appends store, so that the ring after a commit or
     /// a rollback is the ring of plain decoding.
-    fn ring_append(&mut self, keys: &Array, values: &Array) -> Result<()> {
-        let length = keys.dim(2)? as usize;
-        if let (Some(kbuf), Some(vbuf)) = (&self.keys, &self.values)
+    fn ring_append(&mut self, new: &[Array]) -> Result<()> {
+        let length = kv::position_count(new)?;
+        if let Some(buffers) = &self.parts
             && length < self.window
         {
-            let (kbuf, vbuf) = (&self.full_size(kbuf)?, &self.full_size(vbuf)?);
+            // A compiled step before the ring fills stores exactly the positions it holds,
+            // which a write into the ring pads out first.
+            let buffers = self.buffer_from(buffers)?;
             // Into the slots from the cursor on, wrapping to slot 0: what `length` decode
             // steps write, in one or two updates.
             let first = length.min(self.window - self.cursor);
-            let at = self.cursor as i32;
-            let write = |buffer: &Array, new: &Array| -> Result<Array> {
-                let s = new.shape();
-                let part = |from: usize, to: usize| {
-                    new.slice(
-                        &[0, 0, from as i32, 0],
-                        &[s[0], s[1], to as i32, s[3]],
-                        &[1, 1, 1, 1],
-                    )
-                };
-                let head = if first == length { new.clone() } else { part(0, first)? };
-                let mut out = buffer.slice_update(
-                    &head,
-                    &[0, 0, at, 0],
-                    &[s[0], s[1], at + first as i32, s[3]],
-                    &[1, 1, 1, 1],
-                )?;
-                if first < length {
-                    let rest = (length - first) as i32;
-                    out = out.slice_update(
-                        &part(first, length)?,
-                        &[0, 0, 0, 0],
-                        &[s[0], s[1], rest, s[3]],
-                        &[1, 1, 1, 1],
-                    )?;
-                }
-                Ok(out)
-            };
-            let (kbuf, vbuf) = (write(kbuf, keys)?, write(vbuf, values)?);
-            self.keys = Some(kbuf);
-            self.values = Some(vbuf);
+            let head = kv::positions(new, 0, first)?;
+            let mut out = kv::write_positions(&buffers, &head, self.cursor)?;
+            if first < length {
+                out = kv::write_positions(&out, &kv::positions(new, first, length)?, 0)?;
+            }
+            self.parts = Some(out);
             self.len = (self.len + length).min(self.window);
             self.cursor = (self.cursor + length) % self.window;
             self.offset += length;
@@ -181,29 +147,24 @@ impl RotatingCache {
         let keep = (self.len + length).min(self.window);
         // Stored positions that survive, oldest first, then the new ones.
         let survivors = keep.saturating_sub(length).min(self.len);
-        let latest = |buffer: Option<&Array>, new: &Array| -> Result<Array> {
-            let joined = match buffer {
-                Some(b) if survivors > 0 => {
-                    let old = self
-                        .recent(b, survivors)?
-                        .ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
-                    ops::concatenate(&[&old, new], 2)?
-                }
-                _ => new.clone(),
-            };
-            let s = joined.shape();
-            Ok(joined.slice(&[0, 0, s[2] - keep as i32, 0], &s, &[1, 1, 1, 1])?)
+        let joined = match &self.parts {
+            Some(buffers) if survivors > 0 => {
+                let old = self
+                    .recent(buffers, survivors)?
+                    .ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
+                kv::concat_positions(&old, new)?
+            }
+            _ => new.to_vec(),
         };
-        let temporal_k = latest(self.keys.as_ref(), keys)?;
-        let temporal_v = latest(self.values.as_ref(), values)?;
+        let total = kv::position_count(&joined)?;
+        let temporal = kv::positions(&joined, total - keep, total)?;
         let cursor = if keep == self.window { (self.cursor + length) % self.window } else { keep };
-        let (kbuf, vbuf) = if keep == self.window {
-            (ring_layout(&temporal_k, cursor)?, ring_layout(&temporal_v, cursor)?)
+        let buffers = if keep == self.window {
+            ring_layout(&temporal, cursor)?
         } else {
-            (self.buffer_from(&temporal_k)?, self.buffer_from(&temporal_v)?)
+            self.buffer_from(&temporal)?
         };
-        self.keys = Some(kbuf);
-        self.values = Some(vbuf);
+        self.parts = Some(buffers);
         self.len = keep;
         self.cursor = cursor;
         self.offset += length;
@@ -211,11 +172,22 @@ impl RotatingCache {
     }
 
     /// Records an append of the armed round.
-    fn record(&mut self, keys: &Array, values: &Array) {
+    fn record(&mut self, new: &[Array]) {
         if let Some(round) = &mut self.round {
-            round.appended_keys.push(keys.clone());
-            round.appended_values.push(values.clone());
+            round.appended.push(new.to_vec());
         }
+    }
+
+    /// Applies a due conversion (outside rounds): every slot of the ring at once.
+    fn settle(&mut self) -> Result<()> {
+        if self.round.is_some() || !self.precision.due(self.offset) {
+            return Ok(());
+        }
+        if let Some(parts) = &self.parts {
+            let parts = parts.clone();
+            self.parts = Some(self.precision.convert(&parts, self.offset)?);
+        }
+        Ok(())
     }
 }
 
@@ -225,34 +197,40 @@ impl Cache for RotatingCache {
     }
 
     fn signature(&self) -> String {
-        format!("rotating(window={})", self.window)
+        format!("rotating(window={}){}", self.window, self.precision.encoding().signature())
     }
 
     fn bytes_per_token(&self) -> usize {
-        super::bytes_per_position(self.keys.as_ref(), self.values.as_ref())
+        self.parts.as_deref().map_or(0, kv::bytes_per_position)
     }
 
     fn stored_positions(&self) -> usize {
         self.len
     }
 
+    fn max_append(&self) -> Option<usize> {
+        self.precision.max_append(self.offset)
+    }
+
+    fn minimum_reusable_offset(&self) -> usize {
+        self.precision.minimum_reusable_offset()
+    }
+
     fn buffers(&self) -> Vec<Array> {
-        self.keys.iter().chain(&self.values).cloned().collect()
+        self.parts.clone().unwrap_or_default()
     }
 
     fn state(&self) -> Result<CacheState> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+        let Some(parts) = self.temporal()? else {
             return Err(Error::InvalidRequest("an empty cache has no state to save".into()));
         };
-        let keys =
-            self.recent(k, self.len)?.ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
-        let values =
-            self.recent(v, self.len)?.ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
-        let mut state = state_of(self.signature(), self.offset, keys, values);
+        let mut state =
+            CacheState::of(self.signature(), self.offset, self.precision.codec(), parts);
         state.metadata.insert("window".into(), self.window.to_string());
         // Where the oldest position sits in a full ring, so a restore rebuilds the same
         // physical layout (and attention sums in the same order: bit-identical reads).
         state.metadata.insert("cursor".into(), self.cursor.to_string());
+        self.precision.save(&mut state.metadata);
         Ok(state)
     }
 
@@ -262,14 +240,10 @@ impl Cache for RotatingCache {
         }
         check_signature(state, &self.signature())?;
         let offset = state.number("offset")?;
-        let keys = state_tensor(state, "keys")?;
-        let values = state_tensor(state, "values")?;
-        let len = keys.dim(2)? as usize;
-        if len > self.window
-            || len > offset
-            || values.dim(2)? as usize != len
-            || (len < self.window && len != offset)
-        {
+        let precision = self.precision.restored(state, offset)?;
+        let parts = state.parts(precision.codec())?;
+        let len = kv::position_count(&parts)?;
+        if len > self.window || len > offset || (len < self.window && len != offset) {
             return Err(Error::InvalidRequest(format!(
                 "rotating cache state of {len} positions does not fit window {} at offset {offset}",
                 self.window
@@ -280,11 +254,11 @@ impl Cache for RotatingCache {
         } else {
             len % self.window
         };
-        self.keys = Some(self.buffer_from(&ring_layout(keys, cursor)?)?);
-        self.values = Some(self.buffer_from(&ring_layout(values, cursor)?)?);
+        self.parts = Some(self.buffer_from(&ring_layout(&parts, cursor)?)?);
         self.len = len;
         self.cursor = cursor;
         self.offset = offset;
+        self.precision = precision;
         Ok(())
     }
 
@@ -304,6 +278,13 @@ impl Cache for RotatingCache {
             )));
         }
         let n = n.min(self.offset);
+        let floor = self.minimum_reusable_offset();
+        if self.offset - n < floor {
+            return Err(Error::InvalidRequest(format!(
+                "a cache converted at {floor} positions cannot be trimmed to {}",
+                self.offset - n
+            )));
+        }
         self.len -= n;
         self.offset -= n;
         self.cursor = self.len % self.window;
@@ -315,20 +296,19 @@ impl Cache for RotatingCache {
             return Err(super::round_error("a round is already armed"));
         }
         self.round = Some(Round {
-            keys: self.keys.clone(),
-            values: self.values.clone(),
+            parts: self.parts.clone(),
             len: self.len,
             cursor: self.cursor,
             offset: self.offset,
-            appended_keys: Vec::new(),
-            appended_values: Vec::new(),
+            appended: Vec::new(),
         });
         Ok(())
     }
 
     fn spec_round_commit(&mut self) -> Result<()> {
         // The round's appends already stored their positions where decode steps would have.
-        self.round.take().map(|_| ()).ok_or_else(|| super::round_error("commit without a round"))
+        self.round.take().ok_or_else(|| super::round_error("commit without a round"))?;
+        self.settle()
     }
 
     fn spec_round_rollback(&mut self, keep: usize) -> Result<()> {
@@ -341,29 +321,28 @@ impl Cache for RotatingCache {
                 "cannot keep {keep} of the {appended} positions appended"
             )));
         }
-        let kept = |parts: &[Array]| -> Result<Option<Array>> {
-            if keep == 0 {
-                return Ok(None);
+        let kept = match round.appended.split_first() {
+            Some((first, rest)) if keep > 0 => {
+                let mut all = first.clone();
+                for more in rest {
+                    all = kv::concat_positions(&all, more)?;
+                }
+                Some(kv::positions(&all, 0, keep)?)
             }
-            let all = ops::concatenate(&parts.iter().collect::<Vec<_>>(), 2)?;
-            let s = all.shape();
-            Ok(Some(all.slice(&[0, 0, 0, 0], &[s[0], s[1], keep as i32, s[3]], &[1, 1, 1, 1])?))
+            _ => None,
         };
-        let kept_keys = kept(&round.appended_keys)?;
-        let kept_values = kept(&round.appended_values)?;
         let Some(round) = self.round.take() else {
             return Err(super::round_error("rollback without a round"));
         };
         // Back to the ring before the round, then the kept positions into their decode slots.
-        self.keys = round.keys;
-        self.values = round.values;
+        self.parts = round.parts;
         self.len = round.len;
         self.cursor = round.cursor;
         self.offset = round.offset;
-        if let (Some(k), Some(v)) = (kept_keys, kept_values) {
-            self.ring_append(&k, &v)?;
+        if let Some(kept) = kept {
+            self.ring_append(&kept)?;
         }
-        Ok(())
+        self.settle()
     }
 
     fn as_attention(&self) -> Option<&dyn AttentionCache> {
@@ -378,39 +357,27 @@ impl Cache for RotatingCache {
 impl AttentionCache for RotatingCache {
     fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         check_append(keys, values, true)?;
-        let (kbuf, vbuf) = match (&self.keys, &self.values) {
-            (Some(k), Some(v)) => (self.full_size(k)?, self.full_size(v)?),
-            _ => (self.empty_like(keys)?, self.empty_like(values)?),
+        if self.round.is_some() {
+            self.precision.check_round_append(self.offset, 1)?;
+        }
+        let new = self.precision.codec().encode_kv(keys, values)?;
+        let buffers = match &self.parts {
+            Some(parts) => self.buffer_from(parts)?,
+            None => kv::zero_positions(&new, self.window)?,
         };
-        let at = self.cursor as i32;
-        let (ks, vs) = (keys.shape(), values.shape());
-        let kbuf =
-            kbuf.slice_update(keys, &[0, 0, at, 0], &[ks[0], ks[1], at + 1, ks[3]], &[1, 1, 1, 1])?;
-        let vbuf = vbuf.slice_update(
-            values,
-            &[0, 0, at, 0],
-            &[vs[0], vs[1], at + 1, vs[3]],
-            &[1, 1, 1, 1],
-        )?;
+        let buffers = kv::write_positions(&buffers, &new, self.cursor)?;
         let len = (self.len + 1).min(self.window);
         // Every stored position is inside the window of the newest one: no mask. Attention is
         // order-free once keys carry their rotary positions, so the ring needs no unrolling.
-        let (read_k, read_v) = if len < self.window {
-            let end = len as i32;
-            (
-                kbuf.slice(&[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]], &[1, 1, 1, 1])?,
-                vbuf.slice(&[0, 0, 0, 0], &[vs[0], vs[1], end, vs[3]], &[1, 1, 1, 1])?,
-            )
-        } else {
-            (kbuf.clone(), vbuf.clone())
-        };
-        self.keys = Some(kbuf);
-        self.values = Some(vbuf);
+        let read = kv::positions(&buffers, 0, len)?;
+        self.parts = Some(buffers);
         self.len = len;
         self.cursor = (self.cursor + 1) % self.window;
         self.offset += 1;
-        self.record(keys, values);
-        Ok(AttentionRead::one_query(read_k, read_v, &self.ops))
+        self.record(&new);
+        let read = AttentionRead::one_query(read, self.precision.codec(), &self.ops);
+        self.settle()?;
+        Ok(read)
     }
 
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
@@ -418,17 +385,11 @@ impl AttentionCache for RotatingCache {
     }
 
     fn donor_read(&self) -> Result<Option<AttentionRead>> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+        let Some(parts) = &self.parts else {
             return Ok(None);
         };
-        let slots = |b: &Array| -> Result<Array> {
-            if self.len == self.window {
-                return Ok(b.clone());
-            }
-            let s = b.shape();
-            Ok(b.slice(&[0, 0, 0, 0], &[s[0], s[1], self.len as i32, s[3]], &[1, 1, 1, 1])?)
-        };
-        Ok(Some(AttentionRead::one_query(slots(k)?, slots(v)?, &self.ops)))
+        let slots = kv::positions(parts, 0, self.len)?;
+        Ok(Some(AttentionRead::one_query(slots, self.precision.codec(), &self.ops)))
     }
 
     fn bidirectional(&mut self) -> Option<&mut dyn BidirectionalAttentionCache> {
@@ -452,7 +413,7 @@ impl CommittedAttentionCache for RotatingCache {}
 
 impl BlockAttentionCache for RotatingCache {
     fn read_block(&self, keys: &Array, values: &Array) -> Result<AttentionRead> {
-        super::block_read(self.donor_read()?, keys, values, &self.ops)
+        super::block_read(self.donor_read()?, keys, values, self.precision.codec(), &self.ops)
     }
 }
 
@@ -474,37 +435,38 @@ impl CompiledDecodeCache for RotatingCache {
         if self.round.is_some() {
             return Ok(None);
         }
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+        let Some(parts) = &self.parts else {
             return Ok(None);
         };
         if self.len < self.window {
             // Filling: positions sit in order at 0..len, the new one goes after them.
-            return Ok(Some(concat_slot(k, v, self.len)?));
+            return Ok(Some(concat_slot(parts, self.len, self.precision.codec())?));
         }
         let slot = Array::from_slice(&[self.cursor as i32], &[1])?;
-        let (Some(k), Some(v)) = (self.keys.take(), self.values.take()) else {
+        let Some(mut inputs) = self.parts.take() else {
             return Ok(None);
         };
-        Ok(Some(DecodeSlot { fetch: DecodeFetch::Ring, inputs: vec![k, v, slot] }))
+        inputs.push(slot);
+        let kind = SlotKind { fetch: DecodeFetch::Ring, codec: self.precision.codec().clone() };
+        Ok(Some(DecodeSlot { kind, inputs }))
     }
 
     fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
-        let (keys, values) = step_outputs(outputs)?;
-        self.keys = Some(keys);
-        self.values = Some(values);
+        super::step_outputs(&outputs, self.precision.codec())?;
+        self.parts = Some(outputs);
         if fetch == DecodeFetch::Concat {
             self.len += 1;
         }
         self.cursor = (self.cursor + 1) % self.window;
         self.offset += 1;
-        Ok(())
+        self.settle()
     }
 
     fn abort_decode_step(&mut self, slot: DecodeSlot) {
-        if slot.fetch == DecodeFetch::Ring {
-            let mut inputs = slot.inputs.into_iter();
-            self.keys = inputs.next();
-            self.values = inputs.next();
+        if slot.kind.fetch == DecodeFetch::Ring {
+            let mut inputs = slot.inputs;
+            inputs.pop();
+            self.parts = Some(inputs);
         }
     }
 }
@@ -518,19 +480,20 @@ impl RotatingCache {
         flags: Option<&[bool]>,
     ) -> Result<AttentionRead> {
         let length = check_append(keys, values, false)?;
+        if self.round.is_some() {
+            self.precision.check_round_append(self.offset, length)?;
+        }
+        let new = self.precision.codec().encode_kv(keys, values)?;
         // History every new query may need: the last window − 1 stored positions.
         let prior_len = self.len.min(self.window - 1);
-        let (full_k, full_v) = match (&self.keys, &self.values) {
-            (Some(k), Some(v)) if prior_len > 0 => {
-                let pk = self
-                    .recent(k, prior_len)?
+        let full = match &self.parts {
+            Some(parts) if prior_len > 0 => {
+                let prior = self
+                    .recent(parts, prior_len)?
                     .ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
-                let pv = self
-                    .recent(v, prior_len)?
-                    .ok_or_else(|| Error::InvalidRequest("empty ring".into()))?;
-                (ops::concatenate(&[&pk, keys], 2)?, ops::concatenate(&[&pv, values], 2)?)
+                kv::concat_positions(&prior, &new)?
             }
-            _ => (keys.clone(), values.clone()),
+            _ => new.clone(),
         };
         let total = prior_len + length;
         let mask = match flags {
@@ -544,41 +507,35 @@ impl RotatingCache {
             }
             None => ReadMask::Array(shared_window_mask(length, prior_len, self.window)?),
         };
+        let codec = self.precision.codec().clone();
         if self.round.is_some() {
             // Inside a round, positions go where decode steps would put them.
-            self.ring_append(keys, values)?;
-            self.record(keys, values);
-            return Ok(AttentionRead::masked(full_k, full_v, mask, &self.ops));
+            self.ring_append(&new)?;
+            self.record(&new);
+            return Ok(AttentionRead::masked(full, &codec, mask, &self.ops));
         }
         let keep = total.min(self.window);
-        let (fs, vs) = (full_k.shape(), full_v.shape());
-        let from = (total - keep) as i32;
-        let kept_k =
-            full_k.slice(&[0, 0, from, 0], &[fs[0], fs[1], total as i32, fs[3]], &[1, 1, 1, 1])?;
-        let kept_v =
-            full_v.slice(&[0, 0, from, 0], &[vs[0], vs[1], total as i32, vs[3]], &[1, 1, 1, 1])?;
-        let kbuf = self.buffer_from(&kept_k)?;
-        let vbuf = self.buffer_from(&kept_v)?;
-        self.keys = Some(kbuf);
-        self.values = Some(vbuf);
+        let kept = kv::positions(&full, total - keep, total)?;
+        self.parts = Some(self.buffer_from(&kept)?);
         self.len = keep;
         self.cursor = keep % self.window;
         self.offset += length;
-        Ok(AttentionRead::masked(full_k, full_v, mask, &self.ops))
+        let read = AttentionRead::masked(full, &codec, mask, &self.ops);
+        self.settle()?;
+        Ok(read)
     }
 }
 
 /// Entries in temporal order laid out as a full ring whose oldest slot is `cursor`.
-fn ring_layout(temporal: &Array, cursor: usize) -> Result<Array> {
+fn ring_layout(temporal: &[Array], cursor: usize) -> Result<Vec<Array>> {
     if cursor == 0 {
-        return Ok(temporal.clone());
+        return Ok(temporal.to_vec());
     }
-    let s = temporal.shape();
-    let n = s[2];
-    let split = n - cursor as i32; // temporal[..split] goes to slots cursor.., the rest to 0..cursor
-    let older = temporal.slice(&[0, 0, 0, 0], &[s[0], s[1], split, s[3]], &[1, 1, 1, 1])?;
-    let newer = temporal.slice(&[0, 0, split, 0], &[s[0], s[1], n, s[3]], &[1, 1, 1, 1])?;
-    Ok(ops::concatenate(&[&newer, &older], 2)?)
+    let n = kv::position_count(temporal)?;
+    let split = n - cursor; // temporal[..split] goes to slots cursor.., the rest to 0..cursor
+    let older = kv::positions(temporal, 0, split)?;
+    let newer = kv::positions(temporal, split, n)?;
+    kv::concat_positions(&newer, &older)
 }
 
 /// A window mask's geometry: new positions, prior positions, window.

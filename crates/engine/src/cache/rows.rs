@@ -104,6 +104,12 @@ impl CacheRows {
         Ok(())
     }
 
+    /// The most positions the next append may add to every row (the least of the rows'
+    /// [`super::Cache::max_append`]; `None`: any number).
+    pub fn max_append(&self) -> Option<usize> {
+        self.rows.iter().filter_map(|r| r.max_append()).min()
+    }
+
     /// Decode: one new position per row (`[B, H, 1, D]`, `B` the batch size).
     pub fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         self.append(keys, values, true)
@@ -183,6 +189,12 @@ impl CacheRows {
                 row.append_window(keys, values)
             };
         }
+        if self.round.is_some() && self.max_append().is_some_and(|most| length > most) {
+            return Err(round_error(&format!(
+                "{length} positions would cross a row's KV conversion (at most {:?})",
+                self.max_append()
+            )));
+        }
         // Every row holds the same storage with the same geometry (one signature, appends of
         // one shape), so a bad append fails on the first row, before any row has changed.
         let mut reads = Vec::with_capacity(batch);
@@ -226,31 +238,36 @@ fn row_of(x: &Array, b: usize) -> Result<Array> {
 /// the longest, and a bool mask `[B, 1, L, S]` that hides the padding and keeps each row's own
 /// mask over its positions.
 fn stack_reads(reads: &[AttentionRead], length: usize) -> Result<AttentionRead> {
+    let codec = |r: &AttentionRead| r.codec.name();
+    if reads.windows(2).any(|w| codec(&w[0]) != codec(&w[1])) {
+        // Rows on both sides of their KV conversion: each row reads its own storage.
+        return AttentionRead::per_row(reads.to_vec())
+            .ok_or_else(|| Error::InvalidRequest("a batch of no rows".into()));
+    }
     let lens = reads.iter().map(|r| r.len()).collect::<Result<Vec<_>>>()?;
     let longest = lens.iter().copied().max().unwrap_or(0);
-    let (mut keys, mut values, mut masks) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut rows, mut masks) = (Vec::new(), Vec::new());
     for (read, &len) in reads.iter().zip(&lens) {
         let pad = longest - len;
-        keys.push(left_pad(&read.keys, pad)?);
-        values.push(left_pad(&read.values, pad)?);
+        rows.push(left_pad(&read.parts, pad)?);
         masks.push(row_mask(&read.mask()?, length, len, pad)?);
     }
-    let keys = ops::concatenate(&keys.iter().collect::<Vec<_>>(), 0)?;
-    let values = ops::concatenate(&values.iter().collect::<Vec<_>>(), 0)?;
+    // Part by part, the rows stacked on the batch axis.
+    let parts = (0..rows.first().map_or(0, Vec::len))
+        .map(|p| Ok(ops::concatenate(&rows.iter().map(|r| &r[p]).collect::<Vec<_>>(), 0)?))
+        .collect::<Result<Vec<_>>>()?;
     let mask = ops::stack(&masks.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[1])?;
-    // The rows' reads share their storage's ops (one signature per batch).
-    let ops = reads.first().map(AttentionRead::ops).cloned().unwrap_or_default();
-    Ok(AttentionRead::masked(keys, values, ReadMask::Array(mask), &ops))
+    // The rows' reads share their storage's codec and ops (one signature per batch).
+    let first = reads.first().ok_or_else(|| Error::InvalidRequest("a batch of no rows".into()))?;
+    Ok(AttentionRead::masked(parts, &first.codec, ReadMask::Array(mask), first.ops()))
 }
 
-/// `[1, H, N, D]` with `pad` zero positions put first.
-fn left_pad(x: &Array, pad: usize) -> Result<Array> {
+/// `[1, H, N, ·]` parts with `pad` zero positions put first.
+fn left_pad(parts: &[Array], pad: usize) -> Result<Vec<Array>> {
     if pad == 0 {
-        return Ok(x.clone());
+        return Ok(parts.to_vec());
     }
-    let s = x.shape();
-    let zeros = ops::zeros(&[s[0], s[1], pad as i32, s[3]], x.dtype())?;
-    Ok(ops::concatenate(&[&zeros, x], 2)?)
+    super::kv::concat_positions(&super::kv::zero_positions(parts, pad)?, parts)
 }
 
 /// A row's mask `[L, pad + len]` as bools: the padding hidden, the row's own mask after it.

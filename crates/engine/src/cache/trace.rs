@@ -3,13 +3,16 @@
 
 use mlx::Array;
 
-use super::{AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, check_append};
+use super::kv;
+use super::{
+    AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, SlotKind, check_append,
+};
 use crate::backend::Ops;
 use crate::error::{Error, Result};
 
 #[derive(Debug)]
 pub(crate) struct TraceCache {
-    fetch: DecodeFetch,
+    kind: SlotKind,
     inputs: Vec<Array>,
     ops: Ops,
     /// Set by the append: the slot's outputs.
@@ -17,9 +20,9 @@ pub(crate) struct TraceCache {
 }
 
 impl TraceCache {
-    /// A slot of kind `fetch` over its closure `inputs`, read with `ops` (a shapeless step's).
-    pub(crate) fn new(fetch: DecodeFetch, inputs: Vec<Array>, ops: &Ops) -> TraceCache {
-        TraceCache { fetch, inputs, ops: ops.clone(), outputs: Vec::new() }
+    /// A slot of `kind` over its closure `inputs`, read with `ops` (a shapeless step's).
+    pub(crate) fn new(kind: SlotKind, inputs: Vec<Array>, ops: &Ops) -> TraceCache {
+        TraceCache { kind, inputs, ops: ops.clone(), outputs: Vec::new() }
     }
 }
 
@@ -32,7 +35,7 @@ impl Cache for TraceCache {
         0
     }
     fn signature(&self) -> String {
-        format!("trace({:?})", self.fetch)
+        format!("trace({})", self.kind.key())
     }
     fn bytes_per_token(&self) -> usize {
         0
@@ -75,20 +78,24 @@ impl Cache for TraceCache {
 impl AttentionCache for TraceCache {
     fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         check_append(keys, values, true)?;
-        let (k, v) = match self.fetch {
-            DecodeFetch::Concat => (
-                mlx::ops::concatenate(&[&self.inputs[0], keys], 2)?,
-                mlx::ops::concatenate(&[&self.inputs[1], values], 2)?,
-            ),
-            DecodeFetch::Ring => (
-                self.inputs[0].slice_update_dynamic(keys, &self.inputs[2], &[2])?,
-                self.inputs[1].slice_update_dynamic(values, &self.inputs[2], &[2])?,
-            ),
+        let codec = &self.kind.codec;
+        let new = codec.encode_kv(keys, values)?;
+        let stored = &self.inputs[..self.kind.outputs()];
+        let parts = match self.kind.fetch {
+            DecodeFetch::Concat => kv::concat_positions(stored, &new)?,
+            DecodeFetch::Ring => {
+                let slot = &self.inputs[self.kind.outputs()];
+                stored
+                    .iter()
+                    .zip(&new)
+                    .map(|(buffer, n)| Ok(buffer.slice_update_dynamic(n, slot, &[2])?))
+                    .collect::<Result<Vec<_>>>()?
+            }
         };
-        self.outputs = vec![k.clone(), v.clone()];
+        self.outputs = parts.clone();
         // Every stored position is visible to the new one: a ring only takes part once full,
         // when it holds exactly the window.
-        Ok(AttentionRead::one_query(k, v, &self.ops))
+        Ok(AttentionRead::one_query(parts, codec, &self.ops))
     }
     fn append_window(&mut self, _: &Array, _: &Array) -> Result<AttentionRead> {
         Err(trace_only())

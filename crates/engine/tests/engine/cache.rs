@@ -1,16 +1,46 @@
-//! Every storage's attention output equals a naive recompute over the full history, for
-//! random sequences of window appends, decode appends and trims; state save/restore is exact;
-//! speculative rounds, in one row or resolved per row in a batch, leave each storage exactly
-//! as appending only the kept positions would.
+//! Every storage's attention output equals a naive recompute over the full history (over the
+//! same quantized values, for encoded storages), for random sequences of window appends,
+//! decode appends and trims; state save/restore is exact; speculative rounds, in one row or
+//! resolved per row in a batch, leave each storage exactly as appending only the kept
+//! positions would. Every layout runs with every encoding: full precision, affine 4 and 8 bits,
+//! TurboQuant 3 and 3.5 bits, converted after the first append or at a later start.
 
-use engine::cache::{AttentionCache, Cache, CacheRows, Keep, PlainCache, RotatingCache};
+use engine::backend::Ops;
+use engine::cache::{
+    AttentionCache, Cache, CacheRows, Keep, KvEncoding, KvFormat, PlainCache, RotatingCache,
+};
 use mlx::{Array, Dtype, ops, random};
 use proptest::prelude::*;
 
 const B: i32 = 1;
 const HKV: i32 = 2;
 const HQ: i32 = 4;
-const D: i32 = 4;
+const D: i32 = 32;
+
+/// The formats the property tests run.
+fn formats() -> Vec<KvFormat> {
+    vec![
+        KvFormat::Full,
+        KvFormat::Affine { bits: 4, group_size: 32 },
+        KvFormat::Affine { bits: 8, group_size: 32 },
+        KvFormat::turbo(3.0).unwrap(),
+        KvFormat::turbo(3.5).unwrap(),
+    ]
+}
+
+/// A format and a start offset (0: converted after the first append).
+fn encodings() -> impl Strategy<Value = KvEncoding> {
+    (0..formats().len(), prop_oneof![Just(0usize), 1usize..12])
+        .prop_map(|(f, start)| KvEncoding { format: formats()[f], start })
+}
+
+fn plain(kv: KvEncoding) -> Box<dyn AttentionCache> {
+    Box::new(PlainCache::encoded(kv, &Ops::mlx()))
+}
+
+fn ring(window: usize, kv: KvEncoding) -> Box<dyn AttentionCache> {
+    Box::new(RotatingCache::encoded(window, kv, &Ops::mlx()).unwrap())
+}
 
 #[derive(Debug, Clone)]
 enum Step {
@@ -97,22 +127,36 @@ fn max_diff(a: &Array, b: &Array) -> f32 {
     a.subtract(b).unwrap().abs().unwrap().max_all(false).unwrap().item::<f32>().unwrap()
 }
 
-/// Runs `steps` on `cache`, checking each read; returns how many appends were checked.
-fn run(cache: &mut dyn AttentionCache, window: Option<usize>, steps: &[Step], seed: u64) -> usize {
+/// Runs `steps` on `cache` (of `kv`), checking each read against a naive recompute over the
+/// history as the cache holds it: in full precision before its conversion, every position
+/// through the format after; returns how many appends were checked.
+fn run(
+    cache: &mut dyn AttentionCache,
+    window: Option<usize>,
+    kv: KvEncoding,
+    steps: &[Step],
+    seed: u64,
+) -> usize {
     let mut keys: Vec<Array> = Vec::new(); // one [B, HKV, 1, D] per position
     let mut values: Vec<Array> = Vec::new();
+    // Where the cache converted (the model's own account, not the cache's).
+    let mut converted: Option<usize> = kv.format.is_full().then_some(0);
     let mut checked = 0;
     for (n, step) in steps.iter().enumerate() {
         let seed = seed * 1000 + n as u64 * 3;
         let length = match step {
             Step::Trim(t) => {
-                if cache.is_trimmable() {
-                    let trimmed = cache.trim(*t).unwrap();
-                    assert_eq!(trimmed, (*t).min(keys.len()));
+                let trimmed = (*t).min(keys.len());
+                let floor = converted.unwrap_or(0);
+                if cache.is_trimmable() && keys.len() - trimmed >= floor {
+                    assert_eq!(cache.trim(*t).unwrap(), trimmed);
                     keys.truncate(keys.len() - trimmed);
                     values.truncate(values.len() - trimmed);
                 } else {
-                    assert!(cache.trim(*t).is_err(), "an evicted ring refuses to trim");
+                    assert!(
+                        cache.trim(*t).is_err(),
+                        "an evicted ring or a converted prefix refuses"
+                    );
                 }
                 assert_eq!(cache.offset(), keys.len());
                 continue;
@@ -144,25 +188,40 @@ fn run(cache: &mut dyn AttentionCache, window: Option<usize>, steps: &[Step], se
             Step::Bidirectional(flags) => Some(flags.as_slice()),
             _ => None,
         };
-        let want = naive(&q, &keys, &values, first, window, flags);
+        let (seen_k, seen_v) = match converted {
+            Some(_) if !kv.format.is_full() => round_trip(kv.format, &keys, &values),
+            _ => (keys.clone(), values.clone()),
+        };
+        let want = naive(&q, &seen_k, &seen_v, first, window, flags);
         let diff = max_diff(&got, &want);
-        assert!(diff < 1e-5, "step {n} ({step:?}) differs by {diff}: steps {steps:?}");
+        let tolerance = if converted.is_some() && !kv.format.is_full() { 1e-4 } else { 1e-5 };
+        assert!(diff < tolerance, "step {n} ({step:?}) differs by {diff}: {kv:?}, steps {steps:?}");
+        if converted.is_none() && keys.len() >= kv.start {
+            converted = Some(keys.len());
+        }
+        assert_eq!(cache.minimum_reusable_offset(), converted.unwrap_or(0), "{kv:?}");
         checked += 1;
     }
     checked
+}
+
+/// Each position through `format` and back, one position at a time (so the naive recompute
+/// does not share the cache's batching of positions).
+fn round_trip(format: KvFormat, keys: &[Array], values: &[Array]) -> (Vec<Array>, Vec<Array>) {
+    keys.iter().zip(values).map(|(k, v)| format.round_trip(k, v).unwrap()).unzip()
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     #[test]
-    fn plain_cache_matches_naive_attention(steps in steps(), seed in 0u64..1000) {
-        run(&mut PlainCache::new(), None, &steps, seed);
+    fn plain_cache_matches_naive_attention(steps in steps(), kv in encodings(), seed in 0u64..1000) {
+        run(plain(kv).as_mut(), None, kv, &steps, seed);
     }
 
     #[test]
-    fn rotating_cache_matches_naive_windowed_attention(steps in steps(), window in 1usize..8, seed in 0u64..1000) {
-        run(&mut RotatingCache::new(window).unwrap(), Some(window), &steps, seed);
+    fn rotating_cache_matches_naive_windowed_attention(steps in steps(), window in 1usize..8, kv in encodings(), seed in 0u64..1000) {
+        run(ring(window, kv).as_mut(), Some(window), kv, &steps, seed);
     }
 }
 
@@ -299,6 +358,19 @@ fn rounds_match_kept_decodes(
     reference.append_window(&k, &v).unwrap();
     for (n, round) in rounds.iter().enumerate() {
         let seed = seed * 100 + n as u64 * 7;
+        // A round never crosses a KV conversion (the speculative loop drafts up to it).
+        let most = speculative.max_append().unwrap_or(usize::MAX);
+        let round =
+            &Round { length: round.length.min(most), keep: round.keep.min(most), ..round.clone() };
+        if round.length < rounds[n].length {
+            let crossing = sized([1, HKV, most as i32 + 1, D], seed + 9, rows);
+            speculative.spec_round_begin().unwrap();
+            assert!(
+                speculative.append_window(&crossing, &crossing).is_err(),
+                "a round refuses to cross the conversion"
+            );
+            speculative.spec_round_rollback(0).unwrap();
+        }
         let l = round.length as i32;
         let k = sized([1, HKV, l, D], seed, rows);
         let v = sized([1, HKV, l, D], seed + 1, rows);
@@ -345,13 +417,13 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     #[test]
-    fn plain_rounds_leave_what_the_kept_decodes_leave(rounds in rounds(), prefix in 1usize..9, rows in 1i32..3, seed in 0u64..1000) {
-        rounds_match_kept_decodes(&|| Box::new(PlainCache::new()), prefix, &rounds, rows, seed, false);
+    fn plain_rounds_leave_what_the_kept_decodes_leave(rounds in rounds(), kv in encodings(), prefix in 1usize..9, rows in 1i32..3, seed in 0u64..1000) {
+        rounds_match_kept_decodes(&|| plain(kv), prefix, &rounds, rows, seed, false);
     }
 
     #[test]
-    fn ring_rounds_leave_what_the_kept_decodes_leave(rounds in rounds(), window in 1usize..8, prefix in 1usize..9, rows in 1i32..3, seed in 0u64..1000) {
-        rounds_match_kept_decodes(&|| Box::new(RotatingCache::new(window).unwrap()), prefix, &rounds, rows, seed, true);
+    fn ring_rounds_leave_what_the_kept_decodes_leave(rounds in rounds(), window in 1usize..8, kv in encodings(), prefix in 1usize..9, rows in 1i32..3, seed in 0u64..1000) {
+        rounds_match_kept_decodes(&|| ring(window, kv), prefix, &rounds, rows, seed, true);
     }
 }
 
@@ -444,6 +516,13 @@ fn rows_match_their_kept_decodes(
     assert_eq!(batch.row_offsets(), prefixes);
     for (n, round) in rounds.iter().enumerate() {
         let seed = seed * 100 + n as u64 * 7;
+        // A round never crosses a row's KV conversion.
+        let most = batch.max_append().unwrap_or(usize::MAX);
+        let round = &RowRound {
+            length: round.length.min(most),
+            keeps: round.keeps.iter().map(|k| (*k).min(most)).collect(),
+            ..round.clone()
+        };
         let l = round.length as i32;
         let (k, v) = (normal(&[rows, HKV, l, D], seed), normal(&[rows, HKV, l, D], seed + 1));
         batch.spec_round_begin().unwrap();
@@ -533,13 +612,13 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
 
     #[test]
-    fn plain_rows_keep_what_each_rows_kept_decodes_keep(rounds in row_rounds(), prefixes in prop::collection::vec(1usize..9, 2..5), seed in 0u64..1000) {
-        rows_match_their_kept_decodes(&|| Box::new(PlainCache::new()), &prefixes, &rounds, seed, false);
+    fn plain_rows_keep_what_each_rows_kept_decodes_keep(rounds in row_rounds(), kv in encodings(), prefixes in prop::collection::vec(1usize..9, 2..5), seed in 0u64..1000) {
+        rows_match_their_kept_decodes(&|| plain(kv), &prefixes, &rounds, seed, false);
     }
 
     #[test]
-    fn ring_rows_keep_what_each_rows_kept_decodes_keep(rounds in row_rounds(), window in 1usize..8, prefixes in prop::collection::vec(1usize..9, 2..5), seed in 0u64..1000) {
-        rows_match_their_kept_decodes(&|| Box::new(RotatingCache::new(window).unwrap()), &prefixes, &rounds, seed, true);
+    fn ring_rows_keep_what_each_rows_kept_decodes_keep(rounds in row_rounds(), window in 1usize..8, kv in encodings(), prefixes in prop::collection::vec(1usize..9, 2..5), seed in 0u64..1000) {
+        rows_match_their_kept_decodes(&|| ring(window, kv), &prefixes, &rounds, seed, true);
     }
 }
 

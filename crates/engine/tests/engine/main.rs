@@ -7,6 +7,7 @@ mod errors;
 mod gemma3;
 mod gemma4;
 mod kernels;
+mod kv;
 mod kv_file;
 mod speculative;
 mod tokenizer;

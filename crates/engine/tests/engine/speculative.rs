@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use engine::cache::{KvFormat, KvLayers, KvOptions};
 use engine::generate::{Flow, GenerateRequest, Generation, StopReason, generate};
 use engine::models::gemma4::Gemma4Assistant;
 use engine::models::gemma4::processor::preprocess;
@@ -30,7 +31,16 @@ fn draft_model(dir: &std::path::Path) -> DraftModel {
 }
 
 fn plain(model: &dyn Model, request: &GenerateRequest) -> Generation {
-    let mut caches = model.fresh_caches().unwrap();
+    plain_with(model, request, &KvOptions::full())
+}
+
+/// Caches for `model` under a KV choice.
+fn caches_with(model: &dyn Model, kv: &KvOptions) -> Vec<Box<dyn engine::cache::Cache>> {
+    model.new_caches(&model.cache_plan().with_kv(kv).unwrap()).unwrap()
+}
+
+fn plain_with(model: &dyn Model, request: &GenerateRequest, kv: &KvOptions) -> Generation {
+    let mut caches = caches_with(model, kv);
     generate(model, &mut caches, request, |_| Flow::Continue).unwrap()
 }
 
@@ -58,7 +68,17 @@ fn speculative(
     method: &mut dyn DraftMethod,
     length: DraftLength,
 ) -> (Speculated, usize) {
-    let mut caches = model.fresh_caches().unwrap();
+    speculative_with(model, request, method, length, &KvOptions::full())
+}
+
+fn speculative_with(
+    model: &dyn Model,
+    request: &GenerateRequest,
+    method: &mut dyn DraftMethod,
+    length: DraftLength,
+    kv: &KvOptions,
+) -> (Speculated, usize) {
+    let mut caches = caches_with(model, kv);
     let reply =
         speculative::generate(model, &mut caches, &[], request, method, length, |_| Flow::Continue)
             .unwrap();
@@ -117,6 +137,38 @@ fn greedy_output_is_plain_output_for_every_method() {
                 // The caches hold the prompt and every token but the last, as after plain decoding.
                 assert_eq!(offset, request.prompt.len() + got.tokens.len() - 1, "{what}, {name}");
             }
+        }
+    }
+}
+
+/// On encoded KV storage (every layer, the KV-shared ones reading a quantized donor), each
+/// method still returns plain greedy's tokens on the same storage, a conversion reached in the
+/// middle of the reply included (rounds stop at it).
+#[test]
+fn greedy_output_is_plain_output_on_quantized_kv() {
+    let model = load("dense");
+    let request = GenerateRequest::new(text_prompt(), 64);
+    let formats = [
+        (KvFormat::Affine { bits: 4, group_size: 32 }, 0),
+        (KvFormat::turbo(3.0).unwrap(), 0),
+        (KvFormat::Affine { bits: 8, group_size: 32 }, request.prompt.len() + 13),
+        (KvFormat::turbo(3.5).unwrap(), request.prompt.len() + 7),
+    ];
+    for (format, start) in formats {
+        let kv = KvOptions { format, quantized_start: start, layers: KvLayers::All };
+        let want = plain_with(model.as_ref(), &request, &kv);
+        assert_ne!(
+            want.tokens,
+            plain(model.as_ref(), &request).tokens,
+            "{format:?}: the storage changes this random model's greedy"
+        );
+        for (name, mut method) in methods() {
+            let length = DraftLength { max: 4, adaptive: true };
+            let (got, offset) =
+                speculative_with(model.as_ref(), &request, method.as_mut(), length, &kv);
+            assert_eq!(got.tokens, want.tokens, "{format:?} from {start}, {name}");
+            assert!(got.spec.unwrap().rounds > 0, "{format:?}, {name}: nothing verified");
+            assert_eq!(offset, request.prompt.len() + got.tokens.len() - 1);
         }
     }
 }

@@ -169,6 +169,11 @@ pub(crate) struct Context<'a, 'b> {
 }
 
 impl Attention {
+    /// Key/value heads of a layer with its own keys (0 on a KV-shared layer).
+    pub(crate) fn kv_heads(&self) -> i32 {
+        self.kv.as_ref().map_or(0, |kv| kv.kv_heads)
+    }
+
     /// Returns the output and, for a layer with its own cache, the read KV-sharing layers use.
     /// Keys and values come from every row of `x`; queries from its last `query_rows` rows
     /// (all of them outside a last-row-only prefill).

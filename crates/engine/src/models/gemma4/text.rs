@@ -14,7 +14,7 @@ use super::layer::{DecoderLayer, load_layer};
 use super::processor::Gemma4Images;
 use super::vision::{Gemma4Vision, VisionConfig};
 use crate::backend::Ops;
-use crate::cache::{Cache, CachePlan, DecodeFetch, Storage, TraceCache, attention_of};
+use crate::cache::{Cache, CachePlan, KvShape, SlotKind, Storage, TraceCache, attention_of};
 use crate::checkpoint::{ModelDir, Weights};
 use crate::compiled::DecodeGraphs;
 use crate::error::{Error, Result};
@@ -283,7 +283,7 @@ impl Gemma4Text {
     /// inputs `[token [1, 1], position, slot inputs…]`, outputs `[logits, last hidden, two per
     /// slot…]`. The graph owns the decoder's weights (shared handles, nothing is copied) and
     /// runs a shapeless step's ops.
-    fn decode_graph(&self, fetches: Vec<DecodeFetch>) -> Result<mlx::Compiled> {
+    fn decode_graph(&self, fetches: Vec<SlotKind>) -> Result<mlx::Compiled> {
         let decoder = self.decoder.clone();
         let act = Activations::new()?;
         let step = move |inputs: &[Array]| {
@@ -299,7 +299,7 @@ fn traced_decode(
     decoder: &Decoder,
     act: &Activations,
     inputs: &[Array],
-    fetches: &[DecodeFetch],
+    fetches: &[SlotKind],
 ) -> Result<Vec<Array>> {
     let wanted = 2 + fetches.iter().map(|f| f.inputs()).sum::<usize>();
     if inputs.len() != wanted {
@@ -312,10 +312,10 @@ fn traced_decode(
     let ops = Ops::shapeless();
     let mut next = 2;
     let mut traces: Vec<Box<dyn Cache>> = Vec::with_capacity(fetches.len());
-    for &fetch in fetches {
-        let slot = inputs[next..next + fetch.inputs()].to_vec();
-        next += fetch.inputs();
-        traces.push(Box::new(TraceCache::new(fetch, slot, &ops)));
+    for kind in fetches {
+        let slot = inputs[next..next + kind.inputs()].to_vec();
+        next += kind.inputs();
+        traces.push(Box::new(TraceCache::new(kind.clone(), slot, &ops)));
     }
     let token = &inputs[0];
     let h = decoder.embed(token)?;
@@ -463,16 +463,22 @@ impl Model for Gemma4Text {
     }
 
     fn cache_plan(&self) -> CachePlan {
+        let decoder = &self.decoder;
+        let layers = &decoder.config.layer_types[..decoder.first_shared];
         let storage = |kind: &String| match kind.as_str() {
-            "sliding_attention" => Storage::Rotating { window: self.decoder.config.sliding_window },
-            _ => Storage::Plain,
+            "sliding_attention" => Storage::rotating(decoder.config.sliding_window),
+            _ => Storage::plain(),
         };
-        CachePlan::new(
-            self.decoder.config.layer_types[..self.decoder.first_shared]
-                .iter()
-                .map(storage)
-                .collect(),
-        )
+        let dtype_bytes = decoder.constants.embed_scale.dtype().size();
+        let shapes = decoder.layers[..decoder.first_shared]
+            .iter()
+            .map(|layer| KvShape {
+                kv_heads: layer.attention.kv_heads() as usize,
+                head_dim: layer.attention.head_dim as usize,
+                dtype_bytes,
+            })
+            .collect();
+        CachePlan::new(layers.iter().map(storage).collect(), shapes)
     }
 
     fn new_caches(&self, plan: &CachePlan) -> Result<Vec<Box<dyn Cache>>> {

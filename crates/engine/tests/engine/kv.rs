@@ -1,0 +1,308 @@
+//! Encoded KV storages against the reference, on goldens recorded by
+//! `tests/golden/kv/make_golden.py`:
+//!
+//! - affine KV on Gemma 4's full-attention layers (`KvLayers::Full`) against mlx-lm 0.32.2
+//!   driving its own model and `QuantizedKVCache`s, converted from `quantized_kv_start` as its
+//!   `maybe_quantize_kv_cache` does: 48 greedy tokens identical and every step's logits within
+//!   1e-4, at 4 and 8 bits, groups 32 and 64, converted after the prefill or during decoding;
+//! - TurboQuant against mlx-vlm 0.7.10's `TurboQuantKVCache`: the same packed codes and norms
+//!   for the same seed and bits, and the same attention output within tolerance.
+
+use engine::backend::Ops;
+use engine::cache::{
+    AttentionCache, AttentionRead, Cache, KvEncoding, KvFormat, KvLayers, KvOptions, PlainCache,
+};
+use engine::generate::prefill;
+use engine::models::Model;
+use engine::tokens::ids as token_array;
+use mlx::{Array, Dtype};
+use test_support::{golden_dir, ids, max_diff};
+
+fn tensors(path: &str) -> std::collections::HashMap<String, Array> {
+    let file = mlx::io::load_safetensors(golden_dir(path).join("golden.safetensors")).unwrap();
+    file.tensors.into_iter().collect()
+}
+
+/// Greedy decoding of `steps` tokens after `prompt` under `kv`: each step's logits (the first
+/// from the prefill) and the tokens picked from them.
+pub(crate) fn greedy_steps(
+    model: &dyn Model,
+    kv: &KvOptions,
+    prompt: &[u32],
+    steps: usize,
+) -> (Vec<Array>, Vec<u32>) {
+    let plan = model.cache_plan().with_kv(kv).unwrap();
+    let mut caches = model.new_caches(&plan).unwrap();
+    let mut logits = prefill(model, &mut caches, prompt, 512).unwrap().reshape(&[-1]).unwrap();
+    let (mut rows, mut tokens) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let token = logits.argmax(-1, false).unwrap().item::<u32>().unwrap();
+        rows.push(logits);
+        tokens.push(token);
+        logits = model
+            .forward_decode(&token_array(&[token]).unwrap(), &mut caches)
+            .unwrap()
+            .reshape(&[-1])
+            .unwrap();
+    }
+    (rows, tokens)
+}
+
+#[test]
+fn affine_kv_on_full_layers_matches_mlx_lm() {
+    let g = tensors("kv/affine");
+    let model = test_support::load(&golden_dir("gemma4/k_eq_v"));
+    let prompt = ids(&g["prompt"]);
+    for (bits, group, start) in
+        [(4, 32, 0), (4, 64, 0), (8, 32, 0), (8, 64, 0), (4, 64, 44), (8, 32, 60)]
+    {
+        let name = format!("b{bits}_g{group}_s{start}");
+        let kv = KvOptions {
+            format: KvFormat::Affine { bits, group_size: group },
+            quantized_start: start,
+            layers: KvLayers::Full,
+        };
+        let want_tokens = ids(&g[&format!("{name}.tokens")]);
+        let want = &g[&format!("{name}.logits")];
+        let (rows, tokens) = greedy_steps(model.as_ref(), &kv, &prompt, want_tokens.len());
+        assert_eq!(tokens, want_tokens, "{name}: greedy tokens");
+        for (i, row) in rows.iter().enumerate() {
+            let i = i as i32;
+            let golden = want.slice(&[i, 0], &[i + 1, want.dim(1).unwrap()], &[1, 1]).unwrap();
+            let diff = max_diff(&row.reshape(&[1, -1]).unwrap(), &golden);
+            assert!(diff <= 1e-4, "{name}: step {i} logits differ by {diff}");
+        }
+    }
+    // The same run in full precision picks other tokens: the goldens tell the formats apart.
+    let (_, full) = greedy_steps(model.as_ref(), &KvOptions::full(), &prompt, 48);
+    assert_ne!(full, ids(&g["b4_g32_s0.tokens"]), "4-bit KV changes this random model's greedy");
+}
+
+#[test]
+fn turbo_kv_matches_mlx_vlm_codes_and_attention() {
+    let g = tensors("kv/turbo");
+    let window = 5;
+    for case in 0..7 {
+        let at = |name: &str| g[&format!("case{case}.{name}")].clone();
+        let bits = at("bits").to_vec::<f32>().unwrap();
+        let (key_bits, value_bits) = (bits[0] as u8, bits[1] as u8);
+        let format = KvFormat::Turbo { key_bits, value_bits };
+        let (k, v) = (at("keys"), at("values"));
+        let t = k.dim(2).unwrap();
+        let dtype = k.dtype();
+
+        // Codes and norms: the whole prefix encoded at once, as mlx-vlm's `from_cache`.
+        let mut cache = PlainCache::encoded(KvEncoding { format, start: 0 }, &Ops::mlx());
+        cache.append_window(&k, &v).unwrap();
+        let state = cache.state().unwrap();
+        let norms = |x: &Array| x.reshape(&[x.dim(0).unwrap(), x.dim(1).unwrap(), t]).unwrap();
+        for (ours, theirs) in [("keys", "key_codes"), ("values", "value_codes")] {
+            let same = state.tensors[ours].array_equal(&at(theirs), false).unwrap();
+            assert!(same.item::<bool>().unwrap(), "case {case}: {ours} codes differ");
+        }
+        for (ours, theirs) in [("keys.norms", "key_norms"), ("values.norms", "value_norms")] {
+            let same = norms(&state.tensors[ours]).array_equal(&at(theirs), false).unwrap();
+            assert!(same.item::<bool>().unwrap(), "case {case}: {ours} differ");
+        }
+
+        // A decode query over every stored position.
+        let scale = (k.dim(3).unwrap() as f32).powf(-0.5);
+        let read = cache.as_attention().unwrap().donor_read().unwrap().unwrap();
+        let decode = read.attend(&at("query"), scale).unwrap();
+        assert_eq!(decode.dtype(), dtype);
+        let f32 = |x: &Array| x.astype(Dtype::Float32).unwrap();
+        let tolerance = if dtype == Dtype::Float32 { 1e-5 } else { 1e-2 };
+        let diff = max_diff(&f32(&decode), &f32(&at("decode")));
+        assert!(diff <= tolerance, "case {case}: decode attention differs by {diff}");
+
+        // A causal window of the last positions, over stored positions already converted.
+        let slice = |x: &Array, from: i32, to: i32| {
+            let s = x.shape();
+            x.slice(&[0, 0, from, 0], &[s[0], s[1], to, s[3]], &[1; 4]).unwrap()
+        };
+        let mut cache = PlainCache::encoded(KvEncoding { format, start: 0 }, &Ops::mlx());
+        let split = t - window;
+        cache.append_window(&slice(&k, 0, split), &slice(&v, 0, split)).unwrap();
+        let read = cache.append_window(&slice(&k, split, t), &slice(&v, split, t)).unwrap();
+        let out = read.attend(&at("window_query"), scale).unwrap();
+        // mlx-vlm dequantizes and attends in the query's dtype; Quince attends in f32 in the
+        // rotated domain: bf16 cases differ by its rounding.
+        let tolerance = if dtype == Dtype::Float32 { 1e-5 } else { 3e-2 };
+        let diff = max_diff(&f32(&out), &f32(&at("window")));
+        assert!(diff <= tolerance, "case {case}: window attention differs by {diff}");
+    }
+}
+
+/// Compiled decode over encoded storage (the new position encoded inside the traced step)
+/// gives the op-by-op steps' tokens, on every layer of a model with KV-shared layers, and runs
+/// every step compiled.
+#[test]
+fn compiled_decode_over_encoded_storage_is_op_by_op_decode() {
+    let dir = golden_dir("gemma4/dense");
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + (i * 37) % 490).collect();
+    let options =
+        |compiled| engine::LoadOptions { compiled_decode: Some(compiled), ..Default::default() };
+    let compiled = test_support::load_with(&dir, &options(true));
+    let eager = test_support::load_with(&dir, &options(false));
+    for format in [
+        KvFormat::Affine { bits: 4, group_size: 32 },
+        KvFormat::Affine { bits: 8, group_size: 32 },
+        KvFormat::turbo(3.0).unwrap(),
+        KvFormat::turbo(4.0).unwrap(),
+    ] {
+        let kv = KvOptions { format, quantized_start: 0, layers: KvLayers::All };
+        let before = compiled.decode_graphs().unwrap().stats();
+        let (rows, tokens) = greedy_steps(compiled.as_ref(), &kv, &prompt, 24);
+        let after = compiled.decode_graphs().unwrap().stats();
+        assert_eq!(after.steps - before.steps, 24, "{format:?}: every step compiled");
+        assert_eq!(after.uncompiled, before.uncompiled, "{format:?}: none fell back");
+        let (eager_rows, eager_tokens) = greedy_steps(eager.as_ref(), &kv, &prompt, 24);
+        assert_eq!(tokens, eager_tokens, "{format:?}");
+        for (i, (a, b)) in rows.iter().zip(&eager_rows).enumerate() {
+            let diff = max_diff(a, b);
+            assert!(diff <= 1e-5, "{format:?}: step {i} differs by {diff}");
+        }
+    }
+}
+
+/// The test's oracle: a full-precision cache that stores each appended position as `format`
+/// would read it back (dequantized), converting what it holds after its first append as an
+/// encoded storage from position 0 does. Attention over it is the naive attention over the
+/// same dequantized values.
+#[derive(Debug)]
+struct RoundTripped {
+    inner: Box<dyn AttentionCache>,
+    format: KvFormat,
+    converted: bool,
+}
+
+impl RoundTripped {
+    fn stored(&self, keys: &Array, values: &Array) -> (Array, Array) {
+        if !self.converted {
+            return (keys.clone(), values.clone());
+        }
+        let (k, v) = self.format.round_trip(keys, values).unwrap();
+        (k.astype(keys.dtype()).unwrap(), v.astype(values.dtype()).unwrap())
+    }
+
+    fn settle(&mut self) {
+        if self.converted {
+            return;
+        }
+        self.converted = true;
+        let mut state = self.inner.state().unwrap();
+        let (k, v) = self.stored(&state.tensors["keys"], &state.tensors["values"]);
+        state.tensors.insert("keys".into(), k);
+        state.tensors.insert("values".into(), v);
+        self.inner.restore(&state).unwrap();
+    }
+}
+
+impl Cache for RoundTripped {
+    fn offset(&self) -> usize {
+        self.inner.offset()
+    }
+    fn signature(&self) -> String {
+        self.inner.signature()
+    }
+    fn bytes_per_token(&self) -> usize {
+        self.inner.bytes_per_token()
+    }
+    fn stored_positions(&self) -> usize {
+        self.inner.stored_positions()
+    }
+    fn buffers(&self) -> Vec<Array> {
+        self.inner.buffers()
+    }
+    fn state(&self) -> engine::Result<engine::cache::CacheState> {
+        self.inner.state()
+    }
+    fn restore(&mut self, state: &engine::cache::CacheState) -> engine::Result<()> {
+        self.inner.restore(state)
+    }
+    fn is_trimmable(&self) -> bool {
+        false
+    }
+    fn trim(&mut self, _: usize) -> engine::Result<usize> {
+        unreachable!("the oracle is never trimmed")
+    }
+    fn spec_round_begin(&mut self) -> engine::Result<()> {
+        unreachable!("the oracle runs no rounds")
+    }
+    fn spec_round_commit(&mut self) -> engine::Result<()> {
+        unreachable!("the oracle runs no rounds")
+    }
+    fn spec_round_rollback(&mut self, _: usize) -> engine::Result<()> {
+        unreachable!("the oracle runs no rounds")
+    }
+    fn as_attention(&self) -> Option<&dyn AttentionCache> {
+        Some(self)
+    }
+    fn as_attention_mut(&mut self) -> Option<&mut dyn AttentionCache> {
+        Some(self)
+    }
+}
+
+impl AttentionCache for RoundTripped {
+    fn append_decode(&mut self, k: &Array, v: &Array) -> engine::Result<AttentionRead> {
+        let (k, v) = self.stored(k, v);
+        let read = self.inner.append_decode(&k, &v);
+        self.settle();
+        read
+    }
+    fn append_window(&mut self, k: &Array, v: &Array) -> engine::Result<AttentionRead> {
+        let (k, v) = self.stored(k, v);
+        let read = self.inner.append_window(&k, &v);
+        self.settle();
+        read
+    }
+    fn donor_read(&self) -> engine::Result<Option<AttentionRead>> {
+        self.inner.donor_read()
+    }
+}
+
+/// Beyond mlx-lm: every layer encoded, sliding windows included, on a model whose KV-shared
+/// layers read their donor's (encoded) read. Each step's logits equal a model run over the
+/// oracle's naive attention on the same dequantized values.
+#[test]
+fn shared_and_sliding_layers_read_their_encoded_storage() {
+    let model = test_support::load(&golden_dir("gemma4/dense"));
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + (i * 53) % 490).collect();
+    for format in [
+        KvFormat::Affine { bits: 4, group_size: 32 },
+        KvFormat::Affine { bits: 8, group_size: 32 },
+        KvFormat::turbo(3.0).unwrap(),
+        KvFormat::turbo(3.5).unwrap(),
+    ] {
+        let kv = KvOptions { format, quantized_start: 0, layers: KvLayers::All };
+        let (rows, tokens) = greedy_steps(model.as_ref(), &kv, &prompt, 24);
+        // The oracle, fed the same tokens.
+        let mut caches: Vec<Box<dyn Cache>> = model
+            .new_caches(&model.cache_plan())
+            .unwrap()
+            .into_iter()
+            .map(|c| {
+                let window = c.signature().starts_with("rotating");
+                let inner: Box<dyn AttentionCache> = if window {
+                    let w = c
+                        .signature()
+                        .trim_start_matches("rotating(window=")
+                        .trim_end_matches(')')
+                        .parse()
+                        .unwrap();
+                    Box::new(engine::cache::RotatingCache::new(w).unwrap())
+                } else {
+                    Box::new(PlainCache::new())
+                };
+                Box::new(RoundTripped { inner, format, converted: false }) as Box<dyn Cache>
+            })
+            .collect();
+        let mut logits = prefill(model.as_ref(), &mut caches, &prompt, 512).unwrap();
+        for (i, row) in rows.iter().enumerate() {
+            let diff = max_diff(row, &logits.reshape(&[-1]).unwrap());
+            assert!(diff <= 2e-4, "{format:?}: step {i} differs from the oracle by {diff}");
+            let token = token_array(&[tokens[i]]).unwrap();
+            logits = model.forward(&token, &mut caches, engine::models::Phase::Decode).unwrap();
+        }
+    }
+}
