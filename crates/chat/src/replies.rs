@@ -387,6 +387,7 @@ impl Chat {
                         path: self.checkpoints_dir().join(&c.path),
                         sha256: c.sha256,
                         tokens: c.tokens,
+                        signature: Some(c.cache_signature),
                     });
                 }
             }

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use serde_json::json;
 
-use crate::options::{LoadArgs, Switch};
+use crate::options::{KvArgs, LoadArgs, Switch};
 
 /// Arguments of `quince bench`.
 #[derive(Debug, clap::Args)]
@@ -69,9 +69,16 @@ pub struct BenchArgs {
     /// when the host has the token.
     #[arg(long)]
     pub(crate) gpu_clock: bool,
+    /// Measure each of these KV storages (e.g. `full,affine8,affine4,turbo3`), each against
+    /// the reference with the same storage where it has one, in one table; the group size,
+    /// start and layers come from the `--kv-*` flags.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) kv_sweep: Vec<String>,
     /// Print one JSON object.
     #[arg(long)]
     pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) kv: KvArgs,
     #[command(flatten)]
     pub(crate) load: LoadArgs,
 }
@@ -96,18 +103,25 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let options = args.load.options();
     let model = engine::registry::load_model(&args.model, &options)
         .with_context(|| format!("loading the model at {}", args.model.display()))?;
+    if !args.kv_sweep.is_empty() {
+        return sweep(args, model);
+    }
+    let kv = args.kv.options()?;
     let weight_bytes = model.decode_weight_bytes();
     let mut ours = Vec::new();
     for &prompt_tokens in &args.prompt_tokens {
-        ours.push(quince::run(model.as_ref(), args, prompt_tokens)?);
+        ours.push(quince::run(model.as_ref(), args, prompt_tokens, &kv)?);
     }
     let compiled = model.decode_graphs().is_some_and(|g| g.stats().steps > 0);
     let census = quince::decode_census(model.as_ref())?;
     drop(model);
     let mut references = Vec::new();
     if args.compare {
+        let Some(flags) = KvArgs::reference_flags(&kv) else {
+            bail!("the reference has no {}: measure it with --kv-sweep", kv.describe());
+        };
         for &prompt_tokens in &args.prompt_tokens {
-            references.push(reference::run(args, prompt_tokens)?);
+            references.push(reference::run(args, prompt_tokens, &flags)?);
         }
     }
     // Decode as a fraction of what the bandwidth allows: the weights and the last step's KV.
@@ -242,6 +256,94 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     writeln!(out, "ops in one decode step: {total} ({})", top.join(", "))?;
     if args.compare {
         writeln!(out, "ratio > 1: quince is better · medians of {} runs", args.repeats)?;
+    }
+    Ok(())
+}
+
+/// `quince bench --kv-sweep`: every prompt length with every storage, Quince's decode speed,
+/// peak memory and KV bytes beside the reference's with the same storage (where it has it and
+/// can run it: mlx-lm quantizes only full-attention caches, and on KV-shared layers not even
+/// those), in one table.
+fn sweep(args: &BenchArgs, model: Box<dyn engine::models::Model>) -> anyhow::Result<()> {
+    let storages = args
+        .kv_sweep
+        .iter()
+        .map(|name| Ok((name.clone(), args.kv.named(name)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut rows = Vec::new();
+    for &prompt_tokens in &args.prompt_tokens {
+        for (name, kv) in &storages {
+            let ours = quince::run(model.as_ref(), args, prompt_tokens, kv)?;
+            rows.push(json!({ "prompt_tokens": prompt_tokens, "kv": name,
+                              "storage": kv.describe(), "quince": ours }));
+        }
+    }
+    drop(model);
+    if args.compare {
+        for row in &mut rows {
+            let name = row["kv"].as_str().unwrap_or_default().to_string();
+            let kv = args.kv.named(&name)?;
+            let prompt_tokens = row["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+            row["reference"] = match KvArgs::reference_flags(&kv) {
+                Some(flags) => reference::run(args, prompt_tokens, &flags)?,
+                None => json!({ "error": "mlx-lm has no TurboQuant KV cache" }),
+            };
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        writeln!(out, "{}", json!({ "backend": mlx::Backend::current().name(), "runs": rows }))?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{} · {} generated · {} · medians of {} runs",
+        args.model.display(),
+        args.gen_tokens,
+        mlx::Backend::current().name(),
+        args.repeats
+    )?;
+    writeln!(
+        out,
+        "{:>7} {:<9} {:>12} {:>12} {:>7} {:>13} {:>13} {:>10}",
+        "prompt",
+        "KV",
+        "quince tok/s",
+        "mlx-lm tok/s",
+        "ratio",
+        "quince peak",
+        "mlx-lm peak",
+        "KV MiB"
+    )?;
+    let mib = |v: &serde_json::Value| v.as_f64().map(|b| b / f64::from(1 << 20));
+    for row in &rows {
+        let (q, r) = (&row["quince"], &row["reference"]);
+        let tok_s = q["decode_tok_s"].as_f64().unwrap_or(0.0);
+        let kv_mib = q["kv_bytes_per_token"].as_f64().unwrap_or(0.0) / f64::from(1 << 20);
+        let (reference, ratio, peak) = match r["decode_tok_s"].as_f64() {
+            Some(theirs) => (
+                format!("{theirs:.1}"),
+                format!("{:.2}x", tok_s / theirs),
+                format!("{:.0}", mib(&r["peak_mem_bytes"]).unwrap_or(0.0)),
+            ),
+            None if args.compare => ("—".into(), "".into(), "—".into()),
+            None => (String::new(), String::new(), String::new()),
+        };
+        writeln!(
+            out,
+            "{:>7} {:<9} {:>12.1} {:>12} {:>7} {:>13.0} {:>13} {:>10.2}",
+            row["prompt_tokens"].as_u64().unwrap_or(0),
+            row["kv"].as_str().unwrap_or_default(),
+            tok_s,
+            reference,
+            ratio,
+            mib(&q["peak_mem_bytes"]).unwrap_or(0.0),
+            peak,
+            kv_mib
+        )?;
+        if let Some(error) = r["error"].as_str() {
+            writeln!(out, "        mlx-lm: {error}")?;
+        }
     }
     Ok(())
 }

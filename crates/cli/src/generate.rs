@@ -10,7 +10,7 @@ use engine::speculative::{DraftLength, SpecStats, Speculation};
 use engine::turn::{ChatModel, Drafters, Prompt, Turn, TurnEvent, TurnMessage};
 use serde_json::json;
 
-use crate::options::LoadArgs;
+use crate::options::{KvArgs, LoadArgs};
 
 /// Arguments of `quince generate`.
 #[derive(Debug, clap::Args)]
@@ -84,11 +84,13 @@ pub struct GenerateArgs {
     #[arg(long)]
     fixed_draft: bool,
     #[command(flatten)]
+    kv: KvArgs,
+    #[command(flatten)]
     load: LoadArgs,
 }
 
 impl GenerateArgs {
-    fn turn(&self) -> Turn {
+    fn turn(&self) -> anyhow::Result<Turn> {
         let prompt = match (&self.tokens, &self.prompt) {
             (Some(ids), _) => Prompt::Tokens { ids: ids.clone(), images: self.image.clone() },
             (None, text) => {
@@ -110,7 +112,7 @@ impl GenerateArgs {
             (None, None) if self.lookup => Speculation::Lookup,
             (None, None) => Speculation::Off,
         };
-        Turn {
+        Ok(Turn {
             sampling: SamplingParams {
                 temperature: self.temperature,
                 top_p: self.top_p,
@@ -126,8 +128,10 @@ impl GenerateArgs {
             max_soft_tokens: self.max_soft_tokens,
             speculation,
             draft_length: DraftLength { max: self.num_draft, adaptive: !self.fixed_draft },
+            kv: self.kv.options()?,
+            memory_share: self.kv.memory_share(),
             ..Turn::new(prompt)
-        }
+        })
     }
 }
 
@@ -153,7 +157,7 @@ pub(crate) fn spec_json(spec: &SpecStats) -> serde_json::Value {
 /// `quince generate`.
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let chat = load(&args.model, &args.load)?;
-    let turn = args.turn();
+    let turn = args.turn()?;
     let options = args.load.options();
     let mut out = std::io::stdout().lock();
     let (json, raw) = (args.json, chat.tokenizer().is_none());
@@ -177,6 +181,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             "prefill_tok_s": s.prefill_tok_s,
             "decode_tok_s": s.decode_tok_s,
             "peak_mem_bytes": s.peak_mem_bytes,
+            "kv_bytes": s.kv_bytes,
+            "kv_storage": s.kv_storage,
             "compiled_decode_steps": chat.model().decode_graphs().map(|g| g.stats().steps),
         });
         if let Some(spec) = &s.spec {
@@ -186,13 +192,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     } else {
         writeln!(out)?;
         eprintln!(
-            "{} tokens ({}) · TTFT {:.1} ms · prefill {:.1} tok/s · decode {:.1} tok/s · peak {:.1} MiB",
+            "{} tokens ({}) · TTFT {:.1} ms · prefill {:.1} tok/s · decode {:.1} tok/s · peak {:.1} MiB · KV {:.2} MiB",
             s.generated_tokens,
             s.stop_reason.as_str(),
             s.ttft_ms,
             s.prefill_tok_s,
             s.decode_tok_s,
-            s.peak_mem_bytes as f64 / (1 << 20) as f64
+            s.peak_mem_bytes as f64 / (1 << 20) as f64,
+            s.kv_bytes as f64 / (1 << 20) as f64
         );
     }
     Ok(())

@@ -90,6 +90,32 @@ pub enum Error {
         /// The model's context length.
         limit: usize,
     },
+    /// The KV cache of the prompt and the longest reply would not fit the memory limit.
+    #[error(
+        "This reply could need {} of KV cache ({tokens} tokens with {storage}), but only {} is \
+         free under the memory limit ({} of the {} MLX recommends for this device, {} of it \
+         already in use). Choose a smaller KV cache in the chat settings (4-bit or TurboQuant), \
+         lower Max tokens, or start a new chat.",
+        crate::memory::human(*needed), crate::memory::human(*available),
+        crate::memory::percent(*share), crate::memory::human(*recommended),
+        crate::memory::human(*in_use)
+    )]
+    KvMemory {
+        /// Projected KV bytes of the prompt and `max_tokens`.
+        needed: u64,
+        /// What the limit leaves: `share × recommended − in_use`.
+        available: u64,
+        /// The share of the recommended memory a turn may fill.
+        share: f64,
+        /// The memory MLX recommends for the device.
+        recommended: u64,
+        /// Memory in use before the turn (the weights, mostly).
+        in_use: u64,
+        /// Prompt plus reply tokens projected.
+        tokens: usize,
+        /// The KV choice, in words.
+        storage: String,
+    },
     /// The draft method a turn asked for cannot serve this model.
     #[error(
         "The {what} in {} cannot be used: {reason}. Pick another one, or turn speculative \

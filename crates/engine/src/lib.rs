@@ -51,6 +51,7 @@ pub mod demo;
 mod error;
 pub mod generate;
 pub mod kv_file;
+pub mod memory;
 pub mod models;
 pub mod nn;
 mod options;

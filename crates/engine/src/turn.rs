@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 pub use drafters::Drafters;
 
-use crate::cache::stack_offset;
+use crate::cache::{KvOptions, stack_offset};
 use crate::error::{Error, Result};
 use crate::generate::{Flow, GenerateRequest, StopReason, generate};
 use crate::kv_file::{self, Identity};
@@ -95,6 +95,10 @@ pub struct ResumeCandidate {
     pub sha256: String,
     /// The token ids its caches hold.
     pub tokens: Vec<u32>,
+    /// The storages it was written with, as the index recorded them ([`kv_file::Written`]'s
+    /// signature); a candidate of another storage than the turn's is passed over (kept, not
+    /// rejected: the conversation may switch back). `None`: not recorded.
+    pub signature: Option<String>,
 }
 
 /// One turn to answer.
@@ -116,6 +120,12 @@ pub struct Turn {
     pub speculation: Speculation,
     /// How many tokens a speculative round drafts.
     pub draft_length: DraftLength,
+    /// How the KV cache is stored (a checkpoint of another storage is not resumed).
+    pub kv: KvOptions,
+    /// The share of the memory MLX recommends for the device that the weights and this
+    /// reply's KV cache may fill; a reply whose projected KV cache would pass it is refused
+    /// ([`crate::memory`]). `None`: no limit.
+    pub memory_share: Option<f64>,
     /// Checkpoints of this conversation's earlier turns, longest first.
     pub resume: Vec<ResumeCandidate>,
     /// Where to write the checkpoint at this turn's boundary (`None`: nowhere).
@@ -134,6 +144,8 @@ impl Turn {
             max_soft_tokens: 280,
             speculation: Speculation::Off,
             draft_length: DraftLength::default(),
+            kv: KvOptions::full(),
+            memory_share: Some(crate::memory::DEFAULT_SHARE),
             resume: Vec::new(),
             checkpoint_to: None,
         }
@@ -181,6 +193,14 @@ pub struct TurnStats {
     /// MLX's peak memory during the turn, in bytes.
     #[cfg_attr(feature = "ts", ts(type = "number"))]
     pub peak_mem_bytes: u64,
+    /// Bytes the KV cache held at the end of the reply.
+    #[serde(default)]
+    #[cfg_attr(feature = "ts", ts(type = "number"))]
+    pub kv_bytes: u64,
+    /// The KV cache's storage, layer by layer (`;`-joined signatures, as checkpoints record
+    /// it).
+    #[serde(default)]
+    pub kv_storage: String,
     /// Speculative decoding's counts, when it ran.
     #[serde(default)]
     pub spec: Option<SpecStats>,
@@ -310,6 +330,10 @@ impl ChatModel {
         }
         // A reply may use the rest of the context, no more.
         let max_tokens = turn.max_tokens.min(limit - prompt.len());
+        let plan = model.cache_plan().with_kv(&turn.kv)?;
+        if let Some(share) = turn.memory_share {
+            crate::memory::check_kv(&plan, &turn.kv, prompt.len() + max_tokens, share)?;
+        }
         let mut stop_tokens = model.eos_token_ids();
         if let Some(tokenizer) = &self.tokenizer {
             stop_tokens.extend_from_slice(tokenizer.stop_tokens());
@@ -320,7 +344,7 @@ impl ChatModel {
 
         let mut rejected = Vec::new();
         let restore_started = Instant::now();
-        let resumed = resume::restore(self, &turn.resume, &prompt, &mut rejected)?;
+        let resumed = resume::restore(self, &plan, &turn.resume, &prompt, &mut rejected)?;
         let restore_ms = restore_started.elapsed().as_secs_f64() * 1e3;
         let (mut caches, reused) = (resumed.caches, resumed.reused);
         let images = prompt::encode_after(model, &prompt, &prepared, reused)?;
@@ -420,6 +444,8 @@ impl ChatModel {
             None => None,
         };
         let s = &generation.stats;
+        let kv_bytes =
+            caches.iter().map(|c| c.bytes_per_token() * c.stored_positions()).sum::<usize>();
         let stats = TurnStats {
             stop_reason: generation.stop_reason,
             prompt_tokens: prompt.len(),
@@ -430,6 +456,8 @@ impl ChatModel {
             decode_tok_s: s.decode_tok_s,
             restore_ms,
             peak_mem_bytes: s.peak_mem_bytes as u64,
+            kv_bytes: kv_bytes as u64,
+            kv_storage: kv_file::stack_signature(&caches),
             spec,
         };
         Ok(TurnOutcome {

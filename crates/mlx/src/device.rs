@@ -55,6 +55,24 @@ impl Device {
     }
 }
 
+impl Device {
+    /// The memory MLX recommends a process fill on this device, in bytes: Metal's
+    /// `max_recommended_working_set_size` (the share of unified memory the GPU may wire), else
+    /// the device's memory ([`Device::memory_size`]).
+    #[track_caller]
+    pub fn recommended_memory(self) -> Result<Option<u64>> {
+        let info = self.info()?;
+        let recommended = info
+            .iter()
+            .find(|(key, _)| key == "max_recommended_working_set_size")
+            .and_then(|(_, value)| value.parse().ok());
+        match recommended {
+            Some(bytes) => Ok(Some(bytes)),
+            None => self.memory_size(),
+        }
+    }
+}
+
 /// Which MLX backend this process runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {

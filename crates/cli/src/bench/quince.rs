@@ -43,7 +43,9 @@ pub(super) fn run(
     model: &dyn Model,
     args: &BenchArgs,
     prompt_tokens: usize,
+    kv: &engine::cache::KvOptions,
 ) -> anyhow::Result<serde_json::Value> {
+    let plan = model.cache_plan().with_kv(kv)?;
     let text = synthetic_prompt(prompt_tokens, model.vocab_size() as u32);
     let mut kv_bytes = 0usize;
     // One timed run. With --image, TTFT runs from reading the file to the first token:
@@ -66,7 +68,7 @@ pub(super) fn run(
                 GenerateRequest { images: features, ..GenerateRequest::new(prompt, gen_tokens) };
         }
         let mut first = None;
-        let mut caches = model.fresh_caches()?;
+        let mut caches = model.new_caches(&plan)?;
         let delay = std::time::Duration::from_micros(args.host_delay_us);
         let mut stats = generate(model, &mut caches, &request, |_| {
             if first.is_some() && !delay.is_zero() {

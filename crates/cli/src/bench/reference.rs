@@ -6,7 +6,13 @@ use anyhow::{Context, bail};
 use super::BenchArgs;
 
 /// The reference's half of `quince bench --compare` at one prompt length, in its own process.
-pub(super) fn run(args: &BenchArgs, prompt_tokens: usize) -> anyhow::Result<serde_json::Value> {
+/// With a KV choice the reference has (`kv`, see [`crate::options::KvArgs::reference_flags`]);
+/// a reference that cannot run it reports `{"error": …}` instead of figures.
+pub(super) fn run(
+    args: &BenchArgs,
+    prompt_tokens: usize,
+    kv: &[String],
+) -> anyhow::Result<serde_json::Value> {
     let python = args.python.clone().unwrap_or_else(super::ops::default_python);
     let mut command = std::process::Command::new(&python);
     for var in crate::MLX_SETTINGS.get().into_iter().flatten() {
@@ -30,6 +36,7 @@ pub(super) fn run(args: &BenchArgs, prompt_tokens: usize) -> anyhow::Result<serd
         .args(["--prompt-tokens", &prompt_tokens.to_string()])
         .args(["--gen-tokens", &args.gen_tokens.to_string()])
         .args(["--repeats", &args.repeats.to_string()])
+        .args(kv)
         .output()
         .with_context(|| {
             format!("running {} {}", python.display(), args.reference_script.display())

@@ -82,6 +82,17 @@ impl KvFormat {
         }
     }
 
+    /// This format for a layer whose heads are `head_dim` wide: affine groups no wider than
+    /// the head (a 64-wide group on 32-wide heads becomes 32).
+    pub fn for_head_dim(&self, head_dim: usize) -> KvFormat {
+        match *self {
+            KvFormat::Affine { bits, group_size } if usize::from(group_size) > head_dim => {
+                KvFormat::Affine { bits, group_size: head_dim.min(usize::from(u16::MAX)) as u16 }
+            }
+            format => format,
+        }
+    }
+
     /// Keys and values `[B, H, L, D]` as this format stores them, read back in floating point
     /// (what a naive recompute over the same stored values attends).
     pub fn round_trip(&self, keys: &Array, values: &Array) -> Result<(Array, Array)> {

@@ -123,6 +123,30 @@ impl KvOptions {
     pub fn is_full(&self) -> bool {
         self.format.is_full()
     }
+
+    /// The choice in words, e.g. `4-bit KV cache` or `TurboQuant 3-bit KV cache after 1024
+    /// tokens, full-attention layers only`.
+    pub fn describe(&self) -> String {
+        let format = match self.format {
+            KvFormat::Full => return "a full-precision KV cache".into(),
+            KvFormat::Affine { bits, .. } => format!("a {bits}-bit KV cache"),
+            KvFormat::Turbo { key_bits, value_bits } if key_bits == value_bits => {
+                format!("a TurboQuant {key_bits}-bit KV cache")
+            }
+            KvFormat::Turbo { key_bits, value_bits } => {
+                format!("a TurboQuant {}-bit KV cache", f64::from(key_bits + value_bits) / 2.0)
+            }
+        };
+        let start = match self.quantized_start {
+            0 => String::new(),
+            n => format!(" after {n} tokens"),
+        };
+        let layers = match self.layers {
+            KvLayers::All => "",
+            KvLayers::Full => ", full-attention layers only",
+        };
+        format!("{format}{start}{layers}")
+    }
 }
 
 /// Per layer that keeps state, in layer order, its storage and the geometry of its keys and
@@ -156,24 +180,17 @@ impl CachePlan {
         let applies = |storage: &Storage| {
             !matches!((storage.layout, options.layers), (Layout::Rotating { .. }, KvLayers::Full))
         };
-        let dims: Vec<usize> = self
-            .layers
-            .iter()
-            .zip(&self.shapes)
-            .filter(|(storage, _)| applies(storage))
-            .map(|(_, shape)| shape.head_dim)
-            .collect();
-        options.format.validate(&dims)?;
-        let encoding = KvEncoding { format: options.format, start: options.quantized_start };
-        let layers = self
-            .layers
-            .iter()
-            .map(
-                |storage| {
-                    if applies(storage) { Storage { kv: encoding, ..*storage } } else { *storage }
-                },
-            )
-            .collect();
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (storage, shape) in self.layers.iter().zip(&self.shapes) {
+            if !applies(storage) {
+                layers.push(*storage);
+                continue;
+            }
+            let format = options.format.for_head_dim(shape.head_dim);
+            format.validate(&[shape.head_dim])?;
+            let kv = KvEncoding { format, start: options.quantized_start };
+            layers.push(Storage { kv, ..*storage });
+        }
         Ok(CachePlan { layers, shapes: self.shapes.clone() })
     }
 

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use super::prompt::{common_prefix, cut_outside_images};
 use super::{ChatModel, ResumeCandidate, WrittenCheckpoint};
-use crate::cache::{Cache, stack_offset};
+use crate::cache::{Cache, CachePlan, stack_offset};
 use crate::error::Result;
 use crate::generate::prefill;
 use crate::kv_file;
@@ -19,24 +19,30 @@ pub(super) struct Restored {
     pub(super) from: Option<(i64, kv_file::Contents)>,
 }
 
-/// Restores the longest usable checkpoint: one whose tokens share a prefix with `prompt`
-/// (trimmed back to that prefix where the storages allow). Damaged or foreign files are added
-/// to `rejected`; fresh caches when none serves.
+/// Restores the longest usable checkpoint into caches of `plan`: one whose tokens share a
+/// prefix with `prompt` (trimmed back to that prefix where the storages allow). Damaged or
+/// foreign files, and files of another storage, are added to `rejected`; fresh caches when
+/// none serves.
 pub(super) fn restore(
     chat: &ChatModel,
+    plan: &CachePlan,
     candidates: &[ResumeCandidate],
     prompt: &[u32],
     rejected: &mut Vec<(i64, String)>,
 ) -> Result<Restored> {
     let model = chat.model();
     let image = model.vision().map(|v| v.image_token());
+    let signature = plan.signature()?;
     for candidate in candidates {
+        if candidate.signature.as_ref().is_some_and(|s| *s != signature) {
+            continue;
+        }
         let shared = common_prefix(&candidate.tokens, prompt).min(prompt.len() - 1);
         let keep = cut_outside_images(prompt, image, shared);
         if keep == 0 {
             continue;
         }
-        let mut restored = model.fresh_caches()?;
+        let mut restored = model.new_caches(plan)?;
         let read =
             kv_file::read(&candidate.path, &candidate.sha256, chat.identity(), &mut restored);
         let contents = match read {
@@ -52,7 +58,8 @@ pub(super) fn restore(
         }
         let drop = contents.tokens.len() - keep;
         if drop > 0 {
-            if !restored.iter().all(|c| c.is_trimmable()) {
+            // A ring that evicted, or storage converted past `keep`, cannot go back there.
+            if !restored.iter().all(|c| c.is_trimmable() && c.minimum_reusable_offset() <= keep) {
                 continue;
             }
             for cache in &mut restored {
@@ -67,7 +74,7 @@ pub(super) fn restore(
             from: Some((candidate.id, contents)),
         });
     }
-    Ok(Restored { caches: model.fresh_caches()?, reused: 0, from: None })
+    Ok(Restored { caches: model.new_caches(plan)?, reused: 0, from: None })
 }
 
 /// Brings `caches` (holding `held`) to `boundary`, the tokens the next turn's prompt starts
@@ -87,7 +94,7 @@ pub(super) fn write_boundary(
     let keep = cut_outside_images(&boundary, image, common_prefix(&held, &boundary));
     let drop = held.len() - keep;
     if drop > 0 {
-        if !caches.iter().all(|c| c.is_trimmable()) {
+        if !caches.iter().all(|c| c.is_trimmable() && c.minimum_reusable_offset() <= keep) {
             return Ok(None);
         }
         for cache in caches.iter_mut() {

@@ -276,6 +276,7 @@ fn turns_resume_from_checkpoints_and_speculate_to_the_plain_reply() {
         path: checkpoint.file.path.clone(),
         sha256: checkpoint.file.sha256.clone(),
         tokens: checkpoint.tokens.clone(),
+        signature: Some(checkpoint.file.signature.clone()),
     };
     for speculation in
         [Speculation::Off, Speculation::Lookup, Speculation::Draft { model: golden_dir("text_q4") }]

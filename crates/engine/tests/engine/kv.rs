@@ -306,3 +306,117 @@ fn shared_and_sliding_layers_read_their_encoded_storage() {
         }
     }
 }
+
+/// A conversation on 4-bit and on TurboQuant KV, its checkpoint reopened by a fresh load (a
+/// restart): the resumed turn reuses the checkpoint and answers exactly as a cold run on the
+/// same storage (f32, greedy). The conversion sits at a fixed position (`quantized_start`, 8
+/// here), so cold and resumed runs read the same values whatever their chunks. A checkpoint of
+/// another storage is passed over (kept, not rejected); one whose storage was not recorded is
+/// read, refused by its signatures, and rejected.
+#[test]
+fn encoded_checkpoints_resume_as_cold_runs_on_the_same_storage() {
+    use engine::generate::Flow;
+    use engine::turn::{ChatModel, Drafters, Prompt, ResumeCandidate, Turn};
+    let dir = golden_dir("gemma4/dense");
+    let tmp = tempfile::tempdir().unwrap();
+    let first: Vec<u32> = std::iter::once(2).chain((0..20).map(|i| (i * 37 % 400) + 3)).collect();
+    for format in [KvFormat::Affine { bits: 4, group_size: 32 }, KvFormat::turbo(3.0).unwrap()] {
+        let kv = KvOptions { format, quantized_start: 8, layers: KvLayers::All };
+        let answer = |chat: &ChatModel, turn: Turn| {
+            chat.answer(&turn, &mut Drafters::new(Default::default()), |_| Flow::Continue).unwrap()
+        };
+        let path = tmp.path().join(format!("{}.safetensors", format.signature()));
+        let chat = ChatModel::load(&dir, &Default::default()).unwrap();
+        let one = answer(
+            &chat,
+            Turn {
+                max_tokens: 12,
+                kv,
+                checkpoint_to: Some(path.clone()),
+                ..Turn::new(Prompt::Tokens { ids: first.clone(), images: Vec::new() })
+            },
+        );
+        let checkpoint = one.checkpoint.expect("a checkpoint");
+        assert!(
+            checkpoint.file.signature.contains(&format.signature()[..6]),
+            "{}",
+            checkpoint.file.signature
+        );
+        drop(chat);
+
+        // A restart: the model loaded anew, the checkpoint read from its file.
+        let chat = ChatModel::load(&dir, &Default::default()).unwrap();
+        let mut second = checkpoint.tokens.clone();
+        second.extend([41, 97, 203, 7, 350, 12, 88, 143, 9, 301, 77]);
+        let prompt = Prompt::Tokens { ids: second, images: Vec::new() };
+        let turn = |resume: Vec<ResumeCandidate>, kv: KvOptions| Turn {
+            max_tokens: 24,
+            kv,
+            resume,
+            ..Turn::new(prompt.clone())
+        };
+        let cold = answer(&chat, turn(Vec::new(), kv));
+        let candidate = ResumeCandidate {
+            id: 1,
+            path: checkpoint.file.path.clone(),
+            sha256: checkpoint.file.sha256.clone(),
+            tokens: checkpoint.tokens.clone(),
+            signature: Some(checkpoint.file.signature.clone()),
+        };
+        let warm = answer(&chat, turn(vec![candidate.clone()], kv));
+        assert_eq!(warm.resumed_from, Some(1), "{format:?}");
+        assert_eq!(warm.stats.reused_tokens, checkpoint.tokens.len());
+        assert_eq!(warm.tokens, cold.tokens, "{format:?}: resumed = cold on the same storage");
+        assert_eq!(warm.stats.kv_storage, cold.stats.kv_storage);
+
+        // Another storage: passed over, not rejected.
+        let full = answer(&chat, turn(vec![candidate.clone()], KvOptions::full()));
+        assert_eq!((full.resumed_from, full.rejected.len()), (None, 0), "{format:?}");
+        // No recorded storage: the file itself refuses it.
+        let unknown = ResumeCandidate { signature: None, ..candidate };
+        let refused = answer(&chat, turn(vec![unknown], KvOptions::full()));
+        assert_eq!(refused.resumed_from, None);
+        assert_eq!(refused.rejected.len(), 1, "{:?}", refused.rejected);
+        assert!(refused.rejected[0].1.contains("signature"), "{:?}", refused.rejected);
+    }
+}
+
+/// The memory guard: a reply whose projected KV cache would pass the limit is refused before
+/// any work, with the numbers, and writes no checkpoint; a smaller storage fits where full
+/// precision did not.
+#[test]
+fn a_reply_over_the_memory_limit_is_refused_up_front() {
+    use engine::generate::Flow;
+    use engine::turn::{ChatModel, Drafters, Prompt, Turn};
+    let dir = golden_dir("gemma4/dense");
+    let chat = ChatModel::load(&dir, &Default::default()).unwrap();
+    let recommended = engine::memory::recommended_bytes().unwrap().expect("the CPU reports RAM");
+    let plan = chat.model().cache_plan();
+    let tokens = 20 + 4000;
+    let full_bytes = plan.projected_bytes(tokens) as f64;
+    let in_use = mlx::device::memory::active().unwrap() as f64;
+    // A limit between what 4-bit KV needs and what full precision needs.
+    let four =
+        KvOptions { format: KvFormat::Affine { bits: 4, group_size: 32 }, ..Default::default() };
+    let four_bytes = plan.with_kv(&four).unwrap().projected_bytes(tokens) as f64;
+    let share = (in_use + (four_bytes + full_bytes) / 2.0) / recommended as f64;
+    let tmp = tempfile::tempdir().unwrap();
+    let turn = |kv| Turn {
+        max_tokens: 4000,
+        kv,
+        memory_share: Some(share),
+        checkpoint_to: Some(tmp.path().join("never.safetensors")),
+        ..Turn::new(Prompt::Tokens { ids: (3..23).collect(), images: Vec::new() })
+    };
+    let mut drafters = Drafters::new(Default::default());
+    let error =
+        chat.answer(&turn(KvOptions::full()), &mut drafters, |_| Flow::Continue).unwrap_err();
+    assert!(matches!(error, engine::Error::KvMemory { tokens: 4020, .. }), "{error:?}");
+    let message = error.to_string();
+    for words in ["KV cache", "4020 tokens", "full-precision", "4-bit or TurboQuant", "new chat"] {
+        assert!(message.contains(words), "{message}");
+    }
+    assert!(!tmp.path().join("never.safetensors").exists(), "nothing was computed or written");
+    let fits = chat.answer(&turn(four), &mut drafters, |_| Flow::Stop).unwrap();
+    assert_eq!(fits.tokens.len(), 1, "4-bit KV fits under the same limit");
+}
