@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 
 use chat::view::{
-    AppInfo, CatalogEntry, CommandError, ConversationDetail, ConversationSummary, DownloadView,
-    ErrorKind, LoadEvent, LoadedModel, ModelEntry, ModelsState, NetworkSettings, PendingAttachment,
-    Settings, StreamEvent, ThreadMessage,
+    AppInfo, AppSettings, CatalogEntry, CommandError, ConversationDetail, ConversationSummary,
+    DownloadView, ErrorKind, LoadEvent, LoadedModel, ModelEntry, ModelsState, NetworkSettings,
+    PendingAttachment, Settings, StreamEvent, ThreadMessage,
 };
 use tauri::State;
 use tauri::ipc::{Channel, InvokeBody, Request};
@@ -273,6 +273,22 @@ pub fn pause_download(state: State<'_, AppState>, repo: String) -> bool {
 #[tauri::command]
 pub async fn cancel_download(state: State<'_, AppState>, repo: String) -> CommandResult<()> {
     state.chat.cancel_download(&repo).await.map_err(fail)
+}
+
+/// The app's settings: the KV cache new chats start with, the memory limit.
+#[tauri::command]
+pub async fn app_settings(state: State<'_, AppState>) -> CommandResult<AppSettings> {
+    state.chat.app_settings().await.map_err(fail)
+}
+
+/// Saves the app's settings.
+#[tauri::command]
+pub async fn set_app_settings(
+    state: State<'_, AppState>,
+    settings: AppSettings,
+) -> CommandResult<AppSettings> {
+    state.chat.set_app_settings(&settings).await.map_err(fail)?;
+    state.chat.app_settings().await.map_err(fail)
 }
 
 /// The network settings.

@@ -69,6 +69,8 @@ pub fn builder<R: tauri::Runtime>(
             commands::pause_download,
             commands::cancel_download,
             commands::network_settings,
+            commands::app_settings,
+            commands::set_app_settings,
             commands::set_network,
             commands::set_hf_token,
             commands::app_info,

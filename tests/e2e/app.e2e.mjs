@@ -244,6 +244,21 @@ async function main() {
       assert.match(last(v, "assistant").stats, pattern);
     }
     await shot(s, "speculative-reply");
+    // The KV cache, chosen in the chat's settings (each choice priced for the demo model): the
+    // reply runs on 4-bit keys and values, and its stats say so.
+    await (await s.find('[data-testid="settings-button"]')).click();
+    const kvOptions = await s.execute(`return [...document.querySelectorAll('[data-testid="kv-cache"] option')].map((o) => o.textContent);`);
+    assert.ok(kvOptions.length === 4 && kvOptions.every((o) => / per 1,000 tokens$/.test(o)), JSON.stringify(kvOptions));
+    await (await s.find('[data-testid="kv-cache"]')).click();
+    await (await s.find('[data-testid="kv-cache"] option[value="affine4"]')).click();
+    await shot(s, "kv-cache-settings");
+    await (await s.find('[data-testid="settings-save"]')).click();
+    await s.waitFor("the settings panel to close", async () => (await s.findAll('[data-testid="kv-cache"]')).length === 0);
+    await send(s, "And a short one on 4-bit keys.");
+    const kv = await waitForReply(s, 6);
+    assert.equal(last(kv, "assistant").state, "complete");
+    assert.match(last(kv, "assistant").stats, /KV \d+(\.\d)? [KM]B 4-bit/);
+    await shot(s, "kv-4bit-reply");
 
     // The model library downloads a model from the hub (a local stand-in, see run.sh) with a
     // progress bar seen moving; the model joins the library, loads and chats.

@@ -52,7 +52,7 @@ beforeEach(() => {
   handlers.set("load_model", (a) => {
     const { onProgress } = a as { onProgress: { onmessage: (e: unknown) => void } };
     onProgress.onmessage({ kind: "progress", stage: "weights", done: 1, total: 2 });
-    return { path: "demo", name: "Demo (untrained)", vision: false, max_context: 2048 };
+    return { path: "demo", name: "Demo (untrained)", vision: false, max_context: 2048, kv_costs: { full: 2048, affine8: 1088, affine4: 576, turbo3: 400 } };
   });
   handlers.set("list_conversations", () => [
     { id: 1, title: conv.title, model_id: null, updated_at: 0 },
@@ -69,7 +69,7 @@ beforeEach(() => {
       ...reply,
       state: "complete",
       content: "Hello **world**",
-      stats: { stop_reason: "stop", prompt_tokens: 12, reused_tokens: 0, generated_tokens: 34, ttft_ms: 123, prefill_tok_s: 0, restore_ms: 0, decode_tok_s: 45.6, peak_mem_bytes: 0, spec: null },
+      stats: { stop_reason: "stop", prompt_tokens: 12, reused_tokens: 0, generated_tokens: 34, ttft_ms: 123, prefill_tok_s: 0, restore_ms: 0, decode_tok_s: 45.6, peak_mem_bytes: 0, kv_bytes: 0, kv_storage: "", spec: null },
     };
     onEvent.onmessage({ kind: "done", reply: final });
     conv = { ...conv, title: text, messages: [user, final] };
@@ -225,6 +225,81 @@ describe("App", () => {
       await waitFor(() => expect(screen.queryByTestId("settings-panel")).toBeNull());
       expect(saved.at(-1)).toMatchObject({ temperature: 0.7, speculation: want });
     }
+  });
+});
+
+describe("KV cache settings", () => {
+  it("saves a chat's KV cache and the app's defaults, each choice priced for the loaded model", async () => {
+    const saved: unknown[] = [];
+    const savedApp: unknown[] = [];
+    let app = {
+      default_kv: { format: { scheme: "full" }, quantized_start: 0, layers: "all" },
+      memory_share: 0.9,
+      recommended_memory: 25.3e9,
+    };
+    handlers.set("set_system_prompt", () => null);
+    handlers.set("set_settings", (a) => {
+      saved.push((a as { settings: unknown }).settings);
+      return null;
+    });
+    handlers.set("app_settings", () => app);
+    handlers.set("set_app_settings", (a) => {
+      app = (a as { settings: typeof app }).settings;
+      savedApp.push(app);
+      return app;
+    });
+    render(<App />);
+    await waitFor(() => expect(screen.getByTestId("model-status").textContent).toBe("Demo (untrained)"));
+    fireEvent.click(screen.getByTestId("settings-button"));
+    const select = (await screen.findByTestId("kv-cache")) as HTMLSelectElement;
+    expect(Array.from(select.options).map((o) => o.textContent)).toEqual([
+      "Full precision — 2.0 MB per 1,000 tokens",
+      "8-bit — 1.1 MB per 1,000 tokens",
+      "4-bit — 576 KB per 1,000 tokens",
+      "TurboQuant 3-bit (long context) — 400 KB per 1,000 tokens",
+    ]);
+    expect((screen.getByTestId("kv-start") as HTMLInputElement).disabled).toBe(true);
+    fireEvent.change(select, { target: { value: "affine4" } });
+    expect(screen.getByTestId("kv-hint").textContent).toContain("a quarter");
+    fireEvent.change(screen.getByTestId("kv-start"), { target: { value: "256" } });
+    fireEvent.change(screen.getByTestId("default-kv-cache"), { target: { value: "turbo3" } });
+    fireEvent.change(screen.getByTestId("memory-limit"), { target: { value: "75" } });
+    expect(screen.getByTestId("app-settings").textContent).toContain("of the 25.3 GB MLX recommends");
+    await act(async () => {
+      fireEvent.click(screen.getByTestId("settings-save"));
+    });
+    await waitFor(() => expect(screen.queryByTestId("settings-panel")).toBeNull());
+    expect(saved.at(-1)).toMatchObject({
+      kv: { format: { scheme: "affine", bits: 4, group_size: 64 }, quantized_start: 256, layers: "all" },
+    });
+    expect(savedApp.at(-1)).toMatchObject({
+      default_kv: { format: { scheme: "turbo", key_bits: 3, value_bits: 3 } },
+      memory_share: 0.75,
+    });
+    // A start that is not a whole number is refused in the form.
+    fireEvent.click(screen.getByTestId("settings-button"));
+    fireEvent.change(await screen.findByTestId("kv-start"), { target: { value: "-3" } });
+    await act(async () => {
+      fireEvent.click(screen.getByTestId("settings-save"));
+    });
+    expect(screen.getByRole("alert").textContent).toContain("Quantize after");
+  });
+
+  it("gives the message back when its KV cache would not fit the memory limit", async () => {
+    handlers.set("send_message", () => {
+      throw { kind: "out_of_memory", message: "This reply could need 3.2 GB of KV cache (… tokens). Choose a smaller KV cache" };
+    });
+    render(<App />);
+    await waitFor(() => expect(screen.getByTestId("model-status").textContent).toBe("Demo (untrained)"));
+    const input = screen.getByTestId("composer-input") as HTMLTextAreaElement;
+    fireEvent.change(input, { target: { value: "A very long story, please" } });
+    await act(async () => {
+      fireEvent.keyDown(input, { key: "Enter" });
+    });
+    const banner = await screen.findByTestId("error-banner");
+    expect(banner.textContent).toContain("Choose a smaller KV cache");
+    await waitFor(() => expect(input.value).toBe("A very long story, please"));
+    expect(screen.queryAllByTestId("message")).toHaveLength(0);
   });
 });
 

@@ -1,6 +1,7 @@
 import { useCallback, useEffect, useReducer, useRef, useState } from "react";
 import { open } from "@tauri-apps/plugin-dialog";
 import type {
+  AppSettings,
   ConversationSummary,
   LoadEvent,
   ModelEntry,
@@ -36,6 +37,7 @@ export function App() {
   const [loading, setLoading] = useState<LoadProgress | null>(null);
   const [modelsOpen, setModelsOpen] = useState(false);
   const [settingsOpen, setSettingsOpen] = useState(false);
+  const [appSettings, setAppSettings] = useState<AppSettings | null>(null);
   const [toDelete, setToDelete] = useState<ConversationSummary | null>(null);
   const [text, setText] = useState("");
   const [pending, setPending] = useState<PendingAttachment[]>([]);
@@ -410,12 +412,13 @@ export function App() {
   );
 
   const saveSettings = useCallback(
-    async (prompt: string, settings: Settings) => {
+    async (prompt: string, settings: Settings, app: AppSettings | null) => {
       const id = selectedRef.current;
       if (id === null) return;
       try {
         await api.setSystemPrompt(id, prompt);
         await api.setSettings(id, settings);
+        if (app) setAppSettings(await api.setAppSettings(app));
         setSettingsOpen(false);
         await refetch(id);
       } catch (e) {
@@ -467,7 +470,20 @@ export function App() {
             void refreshModels();
           }}
           onCancelLoad={() => void cancelLoad()}
-          onOpenSettings={() => setSettingsOpen(true)}
+          onOpenSettings={() => {
+            // The app's settings are read each time the panel opens; without them the panel
+            // shows the chat's own alone.
+            api.appSettings().then(
+              (s) => {
+                setAppSettings(s);
+                setSettingsOpen(true);
+              },
+              () => {
+                setAppSettings(null);
+                setSettingsOpen(true);
+              },
+            );
+          }}
         />
         <ErrorBanner
           message={error}
@@ -521,7 +537,14 @@ export function App() {
         />
       ) : null}
       {settingsOpen && chat.detail ? (
-        <SettingsPanel detail={chat.detail} models={models.models} onSave={saveSettings} onClose={() => setSettingsOpen(false)} />
+        <SettingsPanel
+          detail={chat.detail}
+          models={models.models}
+          loaded={models.loaded}
+          app={appSettings}
+          onSave={saveSettings}
+          onClose={() => setSettingsOpen(false)}
+        />
       ) : null}
       {toDelete ? (
         <ConfirmDialog

@@ -14,7 +14,7 @@ use engine::turn::{ChatModel, Drafters, Turn, TurnEvent, TurnOutcome};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Error, Result};
-use crate::view::ErrorKind;
+use crate::view::{ErrorKind, KvCosts};
 
 /// What a loaded model can do, for the UI.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +27,8 @@ pub struct ModelInfo {
     pub max_context: usize,
     /// Who its KV checkpoints belong to (the folder and the SHA-256 of its config).
     pub identity: Identity,
+    /// Its KV cache's bytes per token under each choice the settings offer.
+    pub kv_costs: KvCosts,
 }
 
 /// What a reply emits while it is generated.
@@ -59,6 +61,10 @@ enum Command {
         turn: Box<Turn>,
         events: mpsc::UnboundedSender<ReplyEvent>,
         cancel: Arc<AtomicBool>,
+    },
+    Check {
+        turn: Box<Turn>,
+        reply: oneshot::Sender<Result<()>>,
     },
     Shutdown,
 }
@@ -121,6 +127,13 @@ impl Engine {
                             }
                             Some(model) => reply(model, &mut drafters, &turn, &events, &cancel),
                         },
+                        Command::Check { turn, reply } => {
+                            let checked = match &loaded {
+                                None => Err(Error::ModelMissing("no model is loaded".into())),
+                                Some(model) => model.check(&turn).map_err(Error::from),
+                            };
+                            let _ = reply.send(checked);
+                        }
                     }
                 }
             })
@@ -147,6 +160,17 @@ impl Engine {
         let (reply, answer) = oneshot::channel();
         self.commands
             .send(Command::Load { path, progress, cancel, reply })
+            .map_err(|_| Error::Engine("the engine stopped".into()))?;
+        answer.await.map_err(|_| Error::Engine("the engine stopped".into()))?
+    }
+
+    /// Whether the loaded model would answer `turn` (its images, context and KV memory; see
+    /// [`ChatModel::check`]), asked before anything of it is stored. Waits behind a reply in
+    /// flight.
+    pub async fn check(&self, turn: Turn) -> Result<()> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Check { turn: Box::new(turn), reply })
             .map_err(|_| Error::Engine("the engine stopped".into()))?;
         answer.await.map_err(|_| Error::Engine("the engine stopped".into()))?
     }
@@ -203,11 +227,24 @@ fn load(
 }
 
 fn info(chat: &ChatModel) -> ModelInfo {
+    let plan = chat.model().cache_plan();
+    // A choice the model's head widths do not take costs 0 (the settings offer it greyed).
+    let cost = |format: engine::cache::KvFormat| {
+        let kv = engine::cache::KvOptions { format, ..Default::default() };
+        plan.with_kv(&kv).map_or(0, |p| p.bytes_per_token() as u64)
+    };
+    let affine = |bits| engine::cache::KvFormat::Affine { bits, group_size: 64 };
     ModelInfo {
         path: chat.path().to_path_buf(),
         vision: chat.model().vision().is_some(),
         max_context: chat.model().max_context(),
         identity: chat.identity().clone(),
+        kv_costs: KvCosts {
+            full: cost(engine::cache::KvFormat::Full),
+            affine8: cost(affine(8)),
+            affine4: cost(affine(4)),
+            turbo3: engine::cache::KvFormat::turbo(3.0).map_or(0, cost),
+        },
     }
 }
 

@@ -24,11 +24,13 @@ impl Chat {
             .collect())
     }
 
-    /// A new, empty conversation with default settings.
+    /// A new, empty conversation with default settings (the KV cache the app settings name).
     pub async fn create_conversation(&self) -> Result<ConversationDetail> {
         let model = lock(&self.loaded).as_ref().map(|m| m.name.clone());
         let c = self.store.create_conversation(NEW_TITLE, model.as_deref()).await?;
-        let settings = serde_json::to_value(Settings::default()).unwrap_or_default();
+        let kv = self.app_settings().await?.default_kv;
+        let settings =
+            serde_json::to_value(Settings { kv, ..Settings::default() }).unwrap_or_default();
         self.store.set_settings(c.id, &settings).await?;
         self.conversation(c.id).await
     }
@@ -97,6 +99,7 @@ impl Chat {
                 "temperature must be 0–5, top-p 0–1, and max tokens at least 1".into(),
             ));
         }
+        crate::settings::check_kv(&settings.kv)?;
         match &settings.speculation {
             view::Speculation::Draft { model } if !model.join("config.json").is_file() => {
                 return Err(Error::Invalid(format!(

@@ -58,6 +58,7 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         use engine::Error as E;
         match self {
+            Error::Model(E::KvMemory { .. }) => ErrorKind::OutOfMemory,
             Error::Model(E::ContextOverflow { .. } | E::PromptTooLong { .. }) => {
                 ErrorKind::PromptTooLong
             }

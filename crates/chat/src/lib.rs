@@ -22,6 +22,7 @@ mod error;
 pub mod library;
 mod models;
 mod replies;
+mod settings;
 pub mod view;
 
 use std::collections::HashMap;

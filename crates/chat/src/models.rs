@@ -160,6 +160,7 @@ impl Chat {
             name,
             vision: info.vision,
             max_context: info.max_context as u32,
+            kv_costs: info.kv_costs,
         };
         // The model is in place before the waiting replies hear that the load ended.
         *lock(&self.loaded) = Some(model.clone());

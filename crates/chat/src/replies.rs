@@ -25,7 +25,103 @@ fn no_model() -> Error {
     Error::ModelMissing("No model is loaded. Pick one in the model library.".into())
 }
 
+/// What a reply will answer beyond the stored messages: a message not stored yet.
+pub(crate) enum Pending<'a> {
+    /// A text message with its images.
+    Message(TurnMessage),
+    /// Token ids of a raw conversation.
+    Tokens(&'a [u32]),
+}
+
 impl Chat {
+    /// The prompt of a reply to `path` (the stored branch, root first) and `pending`: token
+    /// ids in a raw conversation, else the messages with their images and the system prompt.
+    async fn prompt_of(
+        &self,
+        chat: &store::Conversation,
+        path: &[store::Message],
+        pending: Option<Pending<'_>>,
+    ) -> Result<Prompt> {
+        if extras(&chat.settings).0 {
+            let mut ids = Vec::new();
+            for m in path {
+                ids.extend(parse_ids(&m.content)?);
+            }
+            if let Some(Pending::Tokens(more)) = pending {
+                ids.extend_from_slice(more);
+            }
+            return Ok(Prompt::Tokens { ids, images: Vec::new() });
+        }
+        let mut messages = Vec::new();
+        if let Some(system) = chat.system_prompt.as_deref().filter(|s| !s.trim().is_empty()) {
+            messages.push(TurnMessage::text("system", system));
+        }
+        let mut stored = Vec::with_capacity(path.len());
+        for m in path {
+            let images: Vec<_> = self
+                .store
+                .attachments(m.id)
+                .await?
+                .into_iter()
+                .map(|a| self.attachments_dir().join(a.path))
+                .collect();
+            stored.push(TurnMessage {
+                role: m.role.as_str().to_string(),
+                text: m.content.clone(),
+                images,
+            });
+        }
+        if let Some(Pending::Message(message)) = pending {
+            stored.push(message);
+        }
+        for m in stored {
+            match messages.last_mut() {
+                // Two user messages in a row (the first left unanswered) are one turn: chat
+                // templates want the roles to alternate.
+                Some(previous) if previous.role == m.role && m.role == Role::User.as_str() => {
+                    previous.text = format!("{}\n\n{}", previous.text, m.text);
+                    previous.images.extend(m.images);
+                }
+                _ => messages.push(m),
+            }
+        }
+        Ok(Prompt::Messages(messages))
+    }
+
+    /// Refuses, before anything is stored, a reply whose KV cache would pass the memory limit
+    /// (the user then picks a smaller KV cache or a new chat, and sends the same text). The
+    /// reply answers the branch ending at `parent` and `pending`. Other refusals (a prompt over
+    /// the context) are the reply's own: the message is stored and the reply records the error,
+    /// as it does while a model loads, when nothing can be checked before.
+    async fn check_reply(
+        &self,
+        conversation: i64,
+        parent: Option<i64>,
+        pending: Option<Pending<'_>>,
+    ) -> Result<()> {
+        if lock(&self.loading).is_some() || lock(&self.loaded).is_none() {
+            return Ok(());
+        }
+        let chat = self.store.conversation(conversation).await?;
+        let path = match parent {
+            Some(parent) => self.store.path_to(parent).await?,
+            None => Vec::new(),
+        };
+        let prompt = self.prompt_of(&chat, &path, pending).await?;
+        let settings = settings_of(&chat.settings);
+        let turn = Turn {
+            max_tokens: settings.max_tokens as usize,
+            max_soft_tokens: settings.max_soft_tokens as usize,
+            kv: settings.kv,
+            memory_share: Some(self.app_settings().await?.memory_share),
+            ..Turn::new(prompt)
+        };
+        match self.engine.check(turn).await {
+            Err(error) if error.kind() == ErrorKind::OutOfMemory => Err(error),
+            _ => Ok(()),
+        }
+    }
+
     /// The loaded model, checked to take `images` images.
     fn require_model(&self, images: usize) -> Result<LoadedModel> {
         let loaded = lock(&self.loaded).clone().ok_or_else(no_model)?;
@@ -137,6 +233,9 @@ impl Chat {
         if extras(&chat.settings).0 {
             return Err(Error::Invalid("this conversation takes token ids, not text".into()));
         }
+        let message = TurnMessage { role: "user".into(), text: text.into(), images: paths.clone() };
+        self.check_reply(conversation, chat.current_leaf_id, Some(Pending::Message(message)))
+            .await?;
         let user = self
             .store
             .append_message(
@@ -179,6 +278,7 @@ impl Chat {
         if !extras(&chat.settings).0 {
             return Err(Error::Invalid("this conversation takes text, not token ids".into()));
         }
+        self.check_reply(conversation, chat.current_leaf_id, Some(Pending::Tokens(ids))).await?;
         let user = self
             .store
             .append_message(
@@ -208,6 +308,7 @@ impl Chat {
             .ok_or_else(|| Error::Invalid("the first message has nothing to answer".into()))?;
         let images = self.store.attachments(parent).await?.len();
         self.answering_model(images)?;
+        self.check_reply(old.conversation_id, Some(parent), None).await?;
         self.reply_to(old.conversation_id, parent, images, None, &mut on_event).await
     }
 
@@ -225,6 +326,7 @@ impl Chat {
         }
         let images = self.store.attachments(user.id).await?.len();
         self.answering_model(images)?;
+        self.check_reply(user.conversation_id, Some(user.id), None).await?;
         self.reply_to(user.conversation_id, user.id, images, None, &mut on_event).await
     }
 
@@ -246,6 +348,10 @@ impl Chat {
         if text.trim().is_empty() && attachments.is_empty() {
             return Err(Error::Invalid("the message is empty".into()));
         }
+        let files = attachments.iter().map(|a| self.attachments_dir().join(&a.path)).collect();
+        let message = TurnMessage { role: "user".into(), text: text.into(), images: files };
+        self.check_reply(old.conversation_id, old.parent_id, Some(Pending::Message(message)))
+            .await?;
         let edited = self
             .store
             .append_message(
@@ -335,42 +441,8 @@ impl Chat {
         let path = self.store.path_to(user).await?;
         let settings = settings_of(&chat.settings);
         let (raw, ignore_eos) = extras(&chat.settings);
-        let prompt = if raw {
-            let mut ids = Vec::new();
-            for m in &path {
-                ids.extend(parse_ids(&m.content)?);
-            }
-            Prompt::Tokens { ids, images: Vec::new() }
-        } else {
-            let mut messages = Vec::new();
-            if let Some(system) = chat.system_prompt.as_deref().filter(|s| !s.trim().is_empty()) {
-                messages.push(TurnMessage::text("system", system));
-            }
-            for m in &path {
-                let images: Vec<_> = self
-                    .store
-                    .attachments(m.id)
-                    .await?
-                    .into_iter()
-                    .map(|a| self.attachments_dir().join(a.path))
-                    .collect();
-                let role = m.role.as_str();
-                match messages.last_mut() {
-                    // Two user messages in a row (the first left unanswered) are one turn:
-                    // chat templates want the roles to alternate.
-                    Some(previous) if previous.role == role && m.role == Role::User => {
-                        previous.text = format!("{}\n\n{}", previous.text, m.content);
-                        previous.images.extend(images);
-                    }
-                    _ => messages.push(TurnMessage {
-                        role: role.to_string(),
-                        text: m.content.clone(),
-                        images,
-                    }),
-                }
-            }
-            Prompt::Messages(messages)
-        };
+        let prompt = self.prompt_of(&chat, &path, None).await?;
+        let memory_share = Some(self.app_settings().await?.memory_share);
         // Checkpoints of this branch's earlier nodes, by this very model, longest first.
         let identity = lock(&self.identity).clone().filter(|_| self.checkpoints);
         let mut resume = Vec::new();
@@ -413,6 +485,8 @@ impl Chat {
             max_soft_tokens: settings.max_soft_tokens as usize,
             ignore_eos,
             speculation: settings.speculation.clone(),
+            kv: settings.kv,
+            memory_share,
             ..Turn::new(prompt)
         };
         if let Some(generation) = lock(&self.running).get_mut(&conversation) {

@@ -6,11 +6,12 @@ use serde::{Deserialize, Serialize};
 use store::{MessageState, Role};
 use ts_rs::TS;
 
+/// How a conversation's replies are decoded.
+pub use engine::cache::{KvFormat, KvLayers, KvOptions};
 /// Why a reply ended.
 pub use engine::generate::StopReason;
 /// Speculative decoding's counts for one reply.
 pub use engine::speculative::SpecStats;
-/// How a conversation's replies are decoded.
 pub use engine::speculative::Speculation;
 /// Statistics of a finished reply: the engine's, stored and shown as they are.
 pub use engine::turn::TurnStats;
@@ -104,6 +105,8 @@ pub struct Settings {
     pub max_soft_tokens: u32,
     /// Speculative decoding.
     pub speculation: Speculation,
+    /// How the KV cache is stored (and from which token it is quantized).
+    pub kv: KvOptions,
 }
 
 impl Default for Settings {
@@ -116,6 +119,7 @@ impl Default for Settings {
             seed: 0,
             max_soft_tokens: 280,
             speculation: Speculation::Off,
+            kv: KvOptions::full(),
         }
     }
 }
@@ -243,6 +247,50 @@ pub struct LoadedModel {
     pub vision: bool,
     /// Its context length in tokens.
     pub max_context: u32,
+    /// What its KV cache takes per token under each choice the settings offer.
+    pub kv_costs: KvCosts,
+}
+
+/// Bytes the whole KV cache of a model takes per token, under each choice the settings
+/// offer (4-bit and 8-bit in groups of 64, or the head width where narrower).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, TS)]
+pub struct KvCosts {
+    /// Full precision.
+    #[ts(type = "number")]
+    pub full: u64,
+    /// Affine 8-bit.
+    #[ts(type = "number")]
+    pub affine8: u64,
+    /// Affine 4-bit.
+    #[ts(type = "number")]
+    pub affine4: u64,
+    /// TurboQuant 3-bit.
+    #[ts(type = "number")]
+    pub turbo3: u64,
+}
+
+/// Settings of the whole app: what new chats start with, and the memory guard.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, TS)]
+#[serde(default)]
+pub struct AppSettings {
+    /// The KV cache new chats start with.
+    pub default_kv: KvOptions,
+    /// The share of the memory MLX recommends for this device that the model and a reply's
+    /// KV cache may fill; a reply that would need more is refused before it starts.
+    pub memory_share: f64,
+    /// That memory, in bytes (0 where MLX reports none).
+    #[ts(type = "number")]
+    pub recommended_memory: u64,
+}
+
+impl Default for AppSettings {
+    fn default() -> AppSettings {
+        AppSettings {
+            default_kv: KvOptions::full(),
+            memory_share: engine::memory::DEFAULT_SHARE,
+            recommended_memory: 0,
+        }
+    }
 }
 
 /// The library and what is loaded.
@@ -286,6 +334,8 @@ pub enum ErrorKind {
     ModelLoad,
     /// The conversation does not fit the model's context.
     PromptTooLong,
+    /// The reply's KV cache would not fit the memory limit.
+    OutOfMemory,
     /// An image cannot be read.
     BadImage,
     /// Something is already running (a reply in this conversation, a model load).
@@ -466,6 +516,11 @@ pub fn typescript_bindings() -> String {
         TurnStats::decl(&config),
         SpecStats::decl(&config),
         Speculation::decl(&config),
+        KvFormat::decl(&config),
+        KvLayers::decl(&config),
+        KvOptions::decl(&config),
+        KvCosts::decl(&config),
+        AppSettings::decl(&config),
         AttachmentView::decl(&config),
         PendingAttachment::decl(&config),
         BranchInfo::decl(&config),

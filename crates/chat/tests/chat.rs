@@ -693,3 +693,71 @@ async fn an_assistant_made_for_another_model_fails_the_reply_with_a_way_out() {
     assert_eq!(chat.conversation(c).await.unwrap().messages[0].content, "Hi");
     chat.shutdown();
 }
+
+/// A chat's KV cache choice reaches the engine: its reply is stored with it, its checkpoint
+/// reopens with it (and one of another storage is passed over, kept). New chats start with the
+/// app's default. A reply whose KV cache would pass the memory limit is refused before
+/// anything is stored: a readable error naming the numbers, the store as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn kv_choices_reach_the_engine_and_the_memory_guard_refuses_before_storing() {
+    use chat::view::{AppSettings, KvFormat, KvOptions};
+    let f = fixture();
+    let (chat, c) = ready(&f, 6).await;
+    let app = chat.app_settings().await.unwrap();
+    assert_eq!(app.default_kv, KvOptions::full());
+    assert!(app.recommended_memory > 0 && app.memory_share == 0.9);
+
+    let four =
+        KvOptions { format: KvFormat::Affine { bits: 4, group_size: 64 }, ..Default::default() };
+    chat.set_settings(c, &Settings { kv: four, ..greedy(6) }).await.unwrap();
+    let (first, _) = send(&chat, c, "Tell me a story.", &[]).await;
+    let stats = first.unwrap().stats.unwrap();
+    // The demo's heads are 32 wide: groups of 64 become 32 there.
+    assert!(stats.kv_storage.contains("+affine(bits=4,group=32,start=0)"), "{}", stats.kv_storage);
+    assert!(stats.kv_bytes > 0);
+    let (second, _) = send(&chat, c, "And then?", &[]).await;
+    let stats = second.unwrap().stats.unwrap();
+    assert!(stats.reused_tokens > 0, "the 4-bit checkpoint reopens with 4-bit KV: {stats:?}");
+    let turbo = KvOptions { format: KvFormat::turbo(3.0).unwrap(), ..Default::default() };
+    chat.set_settings(c, &Settings { kv: turbo, ..greedy(6) }).await.unwrap();
+    let (third, _) = send(&chat, c, "The end?", &[]).await;
+    let stats = third.unwrap().stats.unwrap();
+    assert_eq!(stats.reused_tokens, 0, "a 4-bit checkpoint does not serve TurboQuant KV");
+    assert!(stats.kv_storage.contains("+turbo(k=3,v=3"), "{}", stats.kv_storage);
+    chat.set_settings(c, &Settings { kv: four, ..greedy(6) }).await.unwrap();
+    let (fourth, _) = send(&chat, c, "Again?", &[]).await;
+    assert!(fourth.unwrap().stats.unwrap().reused_tokens > 0, "the 4-bit checkpoints were kept");
+
+    // The guard: a limit nothing fits under.
+    chat.set_app_settings(&AppSettings { memory_share: 1e-7, ..app.clone() }).await.unwrap();
+    let before = chat.conversation(c).await.unwrap();
+    let messages = chat.store().count(store::Table::Messages).await.unwrap();
+    let (refused, events) = send(&chat, c, "One more?", &[]).await;
+    let err = refused.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
+    for words in ["KV cache", "4-bit", "memory limit", "new chat"] {
+        assert!(err.to_string().contains(words), "{err}");
+    }
+    assert!(events.is_empty(), "nothing started: {events:?}");
+    let last = before.messages.last().unwrap().id;
+    let err = chat.regenerate(last, |_| {}).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    assert_eq!(chat.conversation(c).await.unwrap(), before, "the conversation is unchanged");
+    assert_eq!(chat.store().count(store::Table::Messages).await.unwrap(), messages);
+
+    // Bad settings are refused; the default reaches new chats.
+    let zero = AppSettings { memory_share: 0.0, ..app.clone() };
+    assert_eq!(chat.set_app_settings(&zero).await.unwrap_err().kind(), ErrorKind::Invalid);
+    let five =
+        KvOptions { format: KvFormat::Affine { bits: 5, group_size: 64 }, ..Default::default() };
+    assert_eq!(
+        chat.set_settings(c, &Settings { kv: five, ..greedy(6) }).await.unwrap_err().kind(),
+        ErrorKind::Invalid
+    );
+    chat.set_app_settings(&AppSettings { default_kv: turbo, ..app }).await.unwrap();
+    let fresh = chat.create_conversation().await.unwrap();
+    assert_eq!(fresh.settings.kv, turbo);
+    chat.set_settings(fresh.id, &Settings { kv: turbo, ..greedy(4) }).await.unwrap();
+    let (ok, _) = send(&chat, fresh.id, "Hello", &[]).await;
+    assert_eq!(ok.unwrap().state, MessageState::Complete);
+}

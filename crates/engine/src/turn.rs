@@ -232,6 +232,15 @@ pub struct TurnOutcome {
     pub rejected: Vec<(i64, String)>,
 }
 
+/// A turn [`ChatModel::admit`] let through: its images, its prompt, the reply's length, the
+/// caches' plan.
+struct Admitted {
+    prepared: Vec<crate::vision::PreparedImage>,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    plan: crate::cache::CachePlan,
+}
+
 impl ChatModel {
     /// Loads the model and tokenizer in `path`.
     pub fn load(path: &Path, options: &LoadOptions) -> Result<ChatModel> {
@@ -303,6 +312,32 @@ impl ChatModel {
         Ok(())
     }
 
+    /// Whether `turn` would be answered: its images read, its prompt within the context, its KV
+    /// cache within the memory limit. What [`ChatModel::answer`] checks first, for a caller
+    /// that wants to know before it stores anything.
+    pub fn check(&self, turn: &Turn) -> Result<()> {
+        self.admit(turn).map(|_| ())
+    }
+
+    /// The checks [`ChatModel::check`] names, and what they computed.
+    fn admit(&self, turn: &Turn) -> Result<Admitted> {
+        let model = self.model();
+        // Every image is read and sized first: a bad file fails here, before any prompt work.
+        let prepared = prompt::prepare_images(model, &turn.prompt, turn.max_soft_tokens)?;
+        let prompt = prompt::render(self, &turn.prompt, &prepared, true)?;
+        let limit = model.max_context();
+        if prompt.len() >= limit {
+            return Err(Error::PromptTooLong { prompt_tokens: prompt.len(), limit });
+        }
+        // A reply may use the rest of the context, no more.
+        let max_tokens = turn.max_tokens.min(limit - prompt.len());
+        let plan = model.cache_plan().with_kv(&turn.kv)?;
+        if let Some(share) = turn.memory_share {
+            crate::memory::check_kv(&plan, &turn.kv, prompt.len() + max_tokens, share)?;
+        }
+        Ok(Admitted { prepared, prompt, max_tokens, plan })
+    }
+
     /// Answers `turn` (see the module docs), streaming each token to `on_event`, which may stop
     /// it after the token it was given. Draft methods come from `drafters`, which keeps them
     /// loaded for the next turns.
@@ -321,19 +356,7 @@ impl ChatModel {
                 self.path.display()
             )));
         }
-        // Every image is read and sized first: a bad file fails here, before any prompt work.
-        let prepared = prompt::prepare_images(model, &turn.prompt, turn.max_soft_tokens)?;
-        let prompt = prompt::render(self, &turn.prompt, &prepared, true)?;
-        let limit = model.max_context();
-        if prompt.len() >= limit {
-            return Err(Error::PromptTooLong { prompt_tokens: prompt.len(), limit });
-        }
-        // A reply may use the rest of the context, no more.
-        let max_tokens = turn.max_tokens.min(limit - prompt.len());
-        let plan = model.cache_plan().with_kv(&turn.kv)?;
-        if let Some(share) = turn.memory_share {
-            crate::memory::check_kv(&plan, &turn.kv, prompt.len() + max_tokens, share)?;
-        }
+        let Admitted { prepared, prompt, max_tokens, plan } = self.admit(turn)?;
         let mut stop_tokens = model.eos_token_ids();
         if let Some(tokenizer) = &self.tokenizer {
             stop_tokens.extend_from_slice(tokenizer.stop_tokens());

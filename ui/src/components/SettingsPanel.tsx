@@ -1,10 +1,11 @@
 import { useState } from "react";
-import type { ConversationDetail, ModelEntry, Settings, Speculation } from "../ipc/bindings";
+import type { AppSettings, ConversationDetail, LoadedModel, ModelEntry, Settings, Speculation } from "../ipc/bindings";
+import { bytesText, KV_CHOICES, type KvChoice, kvChoice, kvCostText, kvOptions } from "../state/kv";
 import { Modal } from "./Modal";
 
 /** The settings typed into number fields. */
-type NumberKey = Exclude<keyof Settings, "speculation">;
-type NumberSettings = Omit<Settings, "speculation">;
+type NumberKey = Exclude<keyof Settings, "speculation" | "kv">;
+type NumberSettings = Omit<Settings, "speculation" | "kv">;
 
 type Field = {
   key: NumberKey;
@@ -53,19 +54,56 @@ export function parseSpeculation(value: string): Speculation {
   return value === "lookup" ? { method: "lookup" } : { method: "off" };
 }
 
+/** A KV cache select: each choice with what it costs for the loaded model. */
+function KvSelect({
+  value,
+  onChange,
+  loaded,
+  testId,
+}: {
+  value: KvChoice;
+  onChange: (choice: KvChoice) => void;
+  loaded: LoadedModel | null;
+  testId: string;
+}) {
+  const costs = loaded?.kv_costs ?? null;
+  return (
+    <select data-testid={testId} value={value} onChange={(e) => onChange(e.target.value as KvChoice)}>
+      {KV_CHOICES.map((c) => {
+        const cost = kvCostText(costs, c.value);
+        return (
+          <option key={c.value} value={c.value} disabled={costs !== null && costs[c.value] === 0}>
+            {cost ? `${c.label} — ${cost}` : c.label}
+          </option>
+        );
+      })}
+    </select>
+  );
+}
+
 export function SettingsPanel({
   detail,
   models,
+  loaded,
+  app,
   onSave,
   onClose,
 }: {
   detail: ConversationDetail;
   /** The library: any model that loads can draft for one with the same tokenizer. */
   models: ModelEntry[];
-  onSave: (prompt: string, settings: Settings) => Promise<void>;
+  /** The model loaded, whose KV cache costs the choices show. */
+  loaded: LoadedModel | null;
+  /** The app's settings (null until read). */
+  app: AppSettings | null;
+  onSave: (prompt: string, settings: Settings, app: AppSettings | null) => Promise<void>;
   onClose: () => void;
 }) {
   const [prompt, setPrompt] = useState(detail.system_prompt);
+  const [kv, setKv] = useState<KvChoice>(() => kvChoice(detail.settings.kv));
+  const [kvStart, setKvStart] = useState(String(detail.settings.kv.quantized_start));
+  const [defaultKv, setDefaultKv] = useState<KvChoice>(() => (app ? kvChoice(app.default_kv) : "full"));
+  const [memoryPercent, setMemoryPercent] = useState(() => String(Math.round((app?.memory_share ?? 0.9) * 100)));
   const [speculation, setSpeculation] = useState(() => speculationValue(detail.settings.speculation));
   const drafts = models.filter((m) => m.problem === null && !m.drafter);
   const assistants = models.filter((m) => m.problem === null && m.drafter);
@@ -87,14 +125,37 @@ export function SettingsPanel({
       setProblem(parsed);
       return;
     }
+    const start = Number(kvStart.trim());
+    if (kvStart.trim() === "" || !Number.isInteger(start) || start < 0) {
+      setProblem("Quantize after must be a whole number of tokens, 0 or more");
+      return;
+    }
+    const percent = Number(memoryPercent.trim());
+    if (!Number.isFinite(percent) || percent < 10 || percent > 100) {
+      setProblem("The memory limit must be between 10% and 100%");
+      return;
+    }
     setProblem(null);
     setSaving(true);
     try {
-      await onSave(prompt, { ...parsed, speculation: parseSpeculation(speculation) });
+      const settings = {
+        ...parsed,
+        speculation: parseSpeculation(speculation),
+        kv: kvOptions(kv, start, detail.settings.kv),
+      };
+      const appSettings = app
+        ? {
+            ...app,
+            default_kv: kvOptions(defaultKv, app.default_kv.quantized_start, app.default_kv),
+            memory_share: percent / 100,
+          }
+        : null;
+      await onSave(prompt, settings, appSettings);
     } finally {
       setSaving(false);
     }
   };
+  const kvHint = KV_CHOICES.find((c) => c.value === kv)?.hint ?? "";
 
   return (
     <Modal title="Chat settings" onClose={onClose} className="settings-panel" testId="settings-panel">
@@ -152,6 +213,54 @@ export function SettingsPanel({
             ) : null}
           </select>
         </label>
+        <label className="field wide" title="Where the conversation's keys and values are kept: less memory lets longer chats fit">
+          <span>KV cache</span>
+          <KvSelect value={kv} onChange={setKv} loaded={loaded} testId="kv-cache" />
+          <small className="field-hint" data-testid="kv-hint">
+            {kvHint}
+          </small>
+        </label>
+        <label className="field" title="The first tokens stay in full precision; the cache is quantized once the chat is longer">
+          <span>Quantize after (tokens)</span>
+          <input
+            type="number"
+            inputMode="numeric"
+            min={0}
+            step="1"
+            data-testid="kv-start"
+            value={kvStart}
+            disabled={kv === "full"}
+            onChange={(e) => setKvStart(e.target.value)}
+          />
+        </label>
+        {app ? (
+          <fieldset className="app-settings" data-testid="app-settings">
+            <legend>All chats</legend>
+            <label className="field wide">
+              <span>KV cache of new chats</span>
+              <KvSelect value={defaultKv} onChange={setDefaultKv} loaded={loaded} testId="default-kv-cache" />
+            </label>
+            <label
+              className="field"
+              title="A reply whose KV cache would not fit beside the model is refused before it starts, instead of running the machine out of memory"
+            >
+              <span>Memory limit (%)</span>
+              <input
+                type="number"
+                inputMode="numeric"
+                min={10}
+                max={100}
+                step="1"
+                data-testid="memory-limit"
+                value={memoryPercent}
+                onChange={(e) => setMemoryPercent(e.target.value)}
+              />
+              {app.recommended_memory > 0 ? (
+                <small className="field-hint">of the {bytesText(app.recommended_memory)} MLX recommends for this device</small>
+              ) : null}
+            </label>
+          </fieldset>
+        ) : null}
         {problem ? (
           <div className="form-problem" role="alert">
             {problem}

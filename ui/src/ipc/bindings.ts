@@ -46,6 +46,15 @@ restore_ms: number,
  */
 peak_mem_bytes: number, 
 /**
+ * Bytes the KV cache held at the end of the reply.
+ */
+kv_bytes: number, 
+/**
+ * The KV cache's storage, layer by layer (`;`-joined signatures, as checkpoints record
+ * it).
+ */
+kv_storage: string, 
+/**
  * Speculative decoding's counts, when it ran.
  */
 spec: SpecStats | null, };
@@ -82,6 +91,73 @@ model: string, } | { "method": "assistant",
  * The drafter's folder.
  */
 model: string, };
+
+export type KvFormat = { "scheme": "full" } | { "scheme": "affine", 
+/**
+ * 4 or 8.
+ */
+bits: number, 
+/**
+ * 32, 64 or 128 (dividing the head dimension).
+ */
+group_size: number, } | { "scheme": "turbo", 
+/**
+ * Bits per key coordinate, 2 to 4.
+ */
+key_bits: number, 
+/**
+ * Bits per value coordinate, 2 to 4.
+ */
+value_bits: number, };
+
+export type KvLayers = "all" | "full";
+
+export type KvOptions = { 
+/**
+ * How keys and values are stored.
+ */
+format: KvFormat, 
+/**
+ * Positions kept in full precision before the conversion (mlx-lm's `quantized_kv_start`).
+ */
+quantized_start: number, 
+/**
+ * The layers it applies to.
+ */
+layers: KvLayers, };
+
+export type KvCosts = { 
+/**
+ * Full precision.
+ */
+full: number, 
+/**
+ * Affine 8-bit.
+ */
+affine8: number, 
+/**
+ * Affine 4-bit.
+ */
+affine4: number, 
+/**
+ * TurboQuant 3-bit.
+ */
+turbo3: number, };
+
+export type AppSettings = { 
+/**
+ * The KV cache new chats start with.
+ */
+default_kv: KvOptions, 
+/**
+ * The share of the memory MLX recommends for this device that the model and a reply's
+ * KV cache may fill; a reply that would need more is refused before it starts.
+ */
+memory_share: number, 
+/**
+ * That memory, in bytes (0 where MLX reports none).
+ */
+recommended_memory: number, };
 
 export type AttachmentView = { 
 /**
@@ -207,7 +283,11 @@ max_soft_tokens: number,
 /**
  * Speculative decoding.
  */
-speculation: Speculation, };
+speculation: Speculation, 
+/**
+ * How the KV cache is stored (and from which token it is quantized).
+ */
+kv: KvOptions, };
 
 export type ConversationSummary = { 
 /**
@@ -348,7 +428,11 @@ vision: boolean,
 /**
  * Its context length in tokens.
  */
-max_context: number, };
+max_context: number, 
+/**
+ * What its KV cache takes per token under each choice the settings offer.
+ */
+kv_costs: KvCosts, };
 
 export type ModelsState = { 
 /**
@@ -382,7 +466,7 @@ total: number, } | { "kind": "done",
  */
 model: LoadedModel, };
 
-export type ErrorKind = "model_missing" | "model_load" | "prompt_too_long" | "bad_image" | "busy" | "not_found" | "invalid" | "cancelled" | "offline" | "network" | "unauthorized" | "disk_full" | "internal";
+export type ErrorKind = "model_missing" | "model_load" | "prompt_too_long" | "out_of_memory" | "bad_image" | "busy" | "not_found" | "invalid" | "cancelled" | "offline" | "network" | "unauthorized" | "disk_full" | "internal";
 
 export type FitVerdict = "fits" | "tight" | "too_big" | "unknown";
 

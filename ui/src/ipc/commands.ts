@@ -3,6 +3,7 @@
 import { Channel, invoke } from "@tauri-apps/api/core";
 import type {
   AppInfo,
+  AppSettings,
   CatalogEntry,
   CommandError,
   DownloadView,
@@ -26,6 +27,7 @@ const ERROR_KINDS: readonly ErrorKind[] = [
   "model_missing",
   "model_load",
   "prompt_too_long",
+  "out_of_memory",
   "bad_image",
   "busy",
   "not_found",
@@ -220,6 +222,15 @@ export function setNetwork(enabled: boolean, endpoint: string): Promise<NetworkS
 /** Stores the Hugging Face token; null or empty forgets it. */
 export function setHfToken(token: string | null): Promise<NetworkSettings> {
   return invoke("set_hf_token", { token });
+}
+
+/** The app's settings: the KV cache new chats start with, the memory limit. */
+export function appSettings(): Promise<AppSettings> {
+  return invoke("app_settings");
+}
+
+export function setAppSettings(settings: AppSettings): Promise<AppSettings> {
+  return invoke("set_app_settings", { settings });
 }
 
 export function appInfo(): Promise<AppInfo> {

@@ -1,5 +1,6 @@
 // Display formatting for reply statistics.
 import type { SpecStats, TurnStats } from "../ipc/bindings";
+import { bytesText } from "./kv";
 
 function fmtNumber(n: number, digits: number): string {
   return Number.isFinite(n) ? n.toFixed(digits) : "–";
@@ -15,6 +16,10 @@ export function statsLine(s: TurnStats): string {
       ? `${s.reused_tokens.toLocaleString("en-US")} reused + ${s.prompt_tokens - s.reused_tokens} prefilled + ${s.generated_tokens} generated tokens`
       : `${s.prompt_tokens} prompt + ${s.generated_tokens} generated tokens`;
   const parts = [`TTFT ${fmtNumber(s.ttft_ms, 0)} ms`, `${fmtNumber(s.decode_tok_s, 1)} tok/s`, tokens];
+  if (s.kv_bytes > 0) {
+    const storage = kvLabel(s.kv_storage);
+    parts.push(`KV ${bytesText(s.kv_bytes)}${storage ? ` ${storage}` : ""}`);
+  }
   if (s.spec) {
     const method = s.spec.method;
     parts.push(
@@ -22,6 +27,19 @@ export function statsLine(s: TurnStats): string {
     );
   }
   return parts.join(" · ");
+}
+
+/** The quantized format a KV storage signature names ("4-bit", "TurboQuant 3-bit"), or "" for
+ * full precision. */
+export function kvLabel(storage: string): string {
+  const affine = /\+affine\(bits=(\d+)/.exec(storage);
+  if (affine) return `${affine[1]}-bit`;
+  const turbo = /\+turbo\(k=(\d+),v=(\d+)/.exec(storage);
+  if (turbo) {
+    const bits = (Number(turbo[1]) + Number(turbo[2])) / 2;
+    return `TurboQuant ${bits}-bit`;
+  }
+  return "";
 }
 
 /** Whether the reply resumed from a KV checkpoint (some of its prompt was restored, not read). */

@@ -105,6 +105,8 @@ describe("chatReducer", () => {
         restore_ms: 0,
         decode_tok_s: 50,
         peak_mem_bytes: 0,
+        kv_bytes: 0,
+        kv_storage: "",
         spec: null,
       },
     });
