@@ -7,7 +7,12 @@ With --vision the checkpoint is a multimodal `gemma4` one built through mlx-vlm:
 at --dims, the real Gemma 4 vision tower dimensions (bf16, not quantized, as mlx-vlm's convert
 leaves it), and the real special token ids.
 
-Usage: python tests/bench/make_gemma4_checkpoint.py --dims e4b --bits 4 [--vision] --out DIR
+With --no-kv-sharing every layer keeps its own keys and values (`num_kv_shared_layers: 0`):
+the layout mlx-lm can quantize the KV cache of (its KV-shared layers hand the quantized donor
+to fused attention and fail), for comparing KV storages against it.
+
+Usage: python tests/bench/make_gemma4_checkpoint.py --dims e4b --bits 4 [--vision]
+  [--no-kv-sharing] --out DIR
 """
 
 import argparse
@@ -172,7 +177,11 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, help="0 keeps bf16")
     parser.add_argument("--out", required=True)
     parser.add_argument("--vision", action="store_true", help="a multimodal gemma4 checkpoint")
+    parser.add_argument("--no-kv-sharing", action="store_true",
+                        help="every layer with its own keys and values")
     args = parser.parse_args()
+    if args.no_kv_sharing:
+        DIMS[args.dims]["num_kv_shared_layers"] = 0
     start = time.perf_counter()
     if args.vision:
         build_multimodal(args.dims, args.bits, Path(args.out))

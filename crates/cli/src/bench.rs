@@ -273,7 +273,9 @@ fn sweep(args: &BenchArgs, model: Box<dyn engine::models::Model>) -> anyhow::Res
     let mut rows = Vec::new();
     for &prompt_tokens in &args.prompt_tokens {
         for (name, kv) in &storages {
-            let ours = quince::run(model.as_ref(), args, prompt_tokens, kv)?;
+            // A storage that fails (the device runs out of memory, say) is a row of the table.
+            let ours = quince::run(model.as_ref(), args, prompt_tokens, kv)
+                .unwrap_or_else(|e| json!({ "error": format!("{e:#}") }));
             rows.push(json!({ "prompt_tokens": prompt_tokens, "kv": name,
                               "storage": kv.describe(), "quince": ours }));
         }
@@ -341,6 +343,9 @@ fn sweep(args: &BenchArgs, model: Box<dyn engine::models::Model>) -> anyhow::Res
             peak,
             kv_mib
         )?;
+        if let Some(error) = q["error"].as_str() {
+            writeln!(out, "        quince: {error}")?;
+        }
         if let Some(error) = r["error"].as_str() {
             writeln!(out, "        mlx-lm: {error}")?;
         }
