@@ -4,6 +4,8 @@
 #   tests/bench/h200_kv.sh QUINCE speed OUT   E4B dims, 4-bit weights, random: decode speed and
 #                                             peak memory at 4K and 32K tokens for each KV
 #                                             storage, against mlx-lm in the same invocation
+#                                             (SWEEP, REPEATS, GEN override the storages, runs
+#                                             and generated tokens)
 #   tests/bench/h200_kv.sh QUINCE quality OUT IDS
 #                                             the trained demo (tests/models/demo) on held-out
 #                                             text (IDS: its token ids, comma-separated): each
@@ -13,9 +15,10 @@ quince=$1 what=$2 out=$3
 case $what in
 speed)
   python3 tests/bench/make_gemma4_checkpoint.py --dims e4b --bits 4 --out /tmp/e4b-4bit
-  common=(--prompt-tokens 4096,32768 --gen-tokens 64 --repeats 2 --compare --python python3)
+  common=(--prompt-tokens 4096,32768 --gen-tokens "${GEN:-64}" --repeats "${REPEATS:-2}" --compare
+    --python python3)
   # KV sharing as E4B has it: mlx-lm cannot quantize this model's KV cache at all.
-  "$quince" bench --model /tmp/e4b-4bit "${common[@]}" --kv-sweep full,affine8,affine4,turbo3 \
+  "$quince" bench --model /tmp/e4b-4bit "${common[@]}" --kv-sweep "${SWEEP:-full,affine8,affine4,turbo3}" \
     | tee "$out/e4b.txt"
   # Without KV sharing mlx-lm quantizes the full-attention layers: both engines do the same.
   python3 tests/bench/make_gemma4_checkpoint.py --dims e4b --bits 4 --no-kv-sharing \

@@ -115,6 +115,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let compiled = model.decode_graphs().is_some_and(|g| g.stats().steps > 0);
     let census = quince::decode_census(model.as_ref())?;
     drop(model);
+    // The reference runs in its own process on the same device: nothing of ours stays held.
+    mlx::device::memory::clear_cache()?;
     let mut references = Vec::new();
     if args.compare {
         let Some(flags) = KvArgs::reference_flags(&kv) else {
@@ -278,9 +280,11 @@ fn sweep(args: &BenchArgs, model: Box<dyn engine::models::Model>) -> anyhow::Res
                 .unwrap_or_else(|e| json!({ "error": format!("{e:#}") }));
             rows.push(json!({ "prompt_tokens": prompt_tokens, "kv": name,
                               "storage": kv.describe(), "quince": ours }));
+            mlx::device::memory::clear_cache()?;
         }
     }
     drop(model);
+    mlx::device::memory::clear_cache()?;
     if args.compare {
         for row in &mut rows {
             let name = row["kv"].as_str().unwrap_or_default().to_string();

@@ -300,12 +300,30 @@ impl Codec {
             (Codec::Affine { bits, group_size }, [kw, ks, kb], [vw, vs, vb]) => {
                 let keys = matrix(kw, ks, kb, *group_size, *bits);
                 let values = matrix(vw, vs, vb, *group_size, *bits);
-                affine_attention(q, &keys, &values, scale, mask)
+                if quantized_products_run(q, *group_size) {
+                    return affine_attention(q, &keys, &values, scale, mask);
+                }
+                // The stored values, dequantized, through the full-precision route.
+                let (k, v) = (keys.dequantize()?, values.dequantize()?);
+                Codec::Full.attend(q, &[k, v], scale, mask, ops)
             }
             (Codec::Turbo(t), keys, values) => t.attend(q, keys, values, scale, mask),
             _ => Err(self.parts_error(parts.len())),
         }
     }
+}
+
+/// Whether attention of `q` can read affine storage through quantized products. MLX-CUDA
+/// 0.32.4 has quantized-matmul kernels for one query row over heads of at least two groups,
+/// and none for a window's rows (`No implementation for problem shape: 511x4095x512x8`) or a
+/// head of one group: there the stored values are dequantized first, which keeps the memory
+/// saving but reads full-precision keys and values. Every other backend reads the codes.
+fn quantized_products_run(q: &Array, group_size: i32) -> bool {
+    if mlx::Backend::current() != mlx::Backend::Cuda {
+        return true;
+    }
+    let s = q.shape();
+    s[2] == 1 && s[3] / group_size >= 2
 }
 
 fn matrix(w: &Array, s: &Array, b: &Array, group_size: i32, bits: i32) -> QuantizedMatrix {
