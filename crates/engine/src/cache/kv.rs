@@ -300,7 +300,7 @@ impl Codec {
             (Codec::Affine { bits, group_size }, [kw, ks, kb], [vw, vs, vb]) => {
                 let keys = matrix(kw, ks, kb, *group_size, *bits);
                 let values = matrix(vw, vs, vb, *group_size, *bits);
-                if quantized_products_run(q, *group_size) {
+                if quantized_products_run() {
                     return affine_attention(q, &keys, &values, scale, mask);
                 }
                 // The stored values, dequantized, through the full-precision route.
@@ -313,17 +313,13 @@ impl Codec {
     }
 }
 
-/// Whether attention of `q` can read affine storage through quantized products. MLX-CUDA
-/// 0.32.4 has quantized-matmul kernels for one query row over heads of at least two groups,
-/// and none for a window's rows (`No implementation for problem shape: 511x4095x512x8`) or a
-/// head of one group: there the stored values are dequantized first, which keeps the memory
-/// saving but reads full-precision keys and values. Every other backend reads the codes.
-fn quantized_products_run(q: &Array, group_size: i32) -> bool {
-    if mlx::Backend::current() != mlx::Backend::Cuda {
-        return true;
-    }
-    let s = q.shape();
-    s[2] == 1 && s[3] / group_size >= 2
+/// Whether attention can read affine storage through quantized products. MLX-CUDA 0.32.4 has
+/// no quantized-matmul kernel for attention's batched products, for a decode query as for a
+/// window (`No implementation for problem shape: 1x4097x512x8`, and `511x4095x512x8`, on the
+/// H200), so there the stored values are dequantized first: the memory saving stays, the reads
+/// are full precision's. Every other backend reads the codes, as mlx-lm does.
+fn quantized_products_run() -> bool {
+    mlx::Backend::current() != mlx::Backend::Cuda
 }
 
 fn matrix(w: &Array, s: &Array, b: &Array, group_size: i32, bits: i32) -> QuantizedMatrix {
