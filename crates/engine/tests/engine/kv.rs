@@ -420,3 +420,46 @@ fn a_reply_over_the_memory_limit_is_refused_up_front() {
     let fits = chat.answer(&turn(four), &mut drafters, |_| Flow::Stop).unwrap();
     assert_eq!(fits.tokens.len(), 1, "4-bit KV fits under the same limit");
 }
+
+/// Bytes per token at Gemma 4 E4B's dimensions (24 layers with their own keys and values: 20
+/// sliding of 2 heads × 256, 4 full of 2 heads × 512, bf16), scales and norms included: 8-bit
+/// about half of bf16, 4-bit under three tenths, TurboQuant 3-bit under a quarter.
+#[test]
+fn bytes_per_token_at_e4b_dimensions() {
+    use engine::cache::{CachePlan, KvShape, Storage};
+    let shape = |head_dim| KvShape { kv_heads: 2, head_dim, dtype_bytes: 2 };
+    let (layers, shapes): (Vec<_>, Vec<_>) = (0..24)
+        .map(|i| {
+            if i % 6 == 5 {
+                (Storage::plain(), shape(512))
+            } else {
+                (Storage::rotating(512), shape(256))
+            }
+        })
+        .unzip();
+    let plan = CachePlan::new(layers, shapes);
+    let full = plan.bytes_per_token();
+    assert_eq!(full, 20 * 2 * 2 * 256 * 2 + 4 * 2 * 2 * 512 * 2);
+    let ratio = |format| {
+        let kv = KvOptions { format, ..Default::default() };
+        plan.with_kv(&kv).unwrap().bytes_per_token() as f64 / full as f64
+    };
+    let eight = ratio(KvFormat::Affine { bits: 8, group_size: 64 });
+    let four = ratio(KvFormat::Affine { bits: 4, group_size: 64 });
+    let turbo3 = ratio(KvFormat::turbo(3.0).unwrap());
+    let turbo35 = ratio(KvFormat::turbo(3.5).unwrap());
+    assert!((eight - 0.53125).abs() < 1e-9, "{eight}");
+    assert!((four - 0.28125).abs() < 1e-9, "{four}");
+    assert!(turbo3 <= 0.25 && (turbo3 - 0.19085).abs() < 1e-4, "{turbo3}");
+    assert!(turbo35 < 0.25, "{turbo35}");
+    // A ring holds at most its window; a storage holds full precision until its start.
+    let late = KvOptions {
+        format: KvFormat::turbo(3.0).unwrap(),
+        quantized_start: 1000,
+        layers: KvLayers::All,
+    };
+    let late = plan.with_kv(&late).unwrap();
+    assert_eq!(late.projected_bytes(999), plan.projected_bytes(999));
+    assert!(late.projected_bytes(1000) < plan.projected_bytes(1000) / 4);
+    assert_eq!(plan.projected_bytes(4096) - plan.projected_bytes(4095), 4 * 2 * 2 * 512 * 2);
+}
