@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
 mod cache;
+mod cache_rounds;
 mod errors;
 mod gemma3;
 mod gemma4;
