@@ -8,8 +8,8 @@
 //!
 //! - the position is an int32 array, not a number baked into the graph;
 //! - each cache declares its slot ([`CompiledDecodeCache::begin_decode_step`]):
-//!   [`DecodeFetch::Concat`] — the step reads `concat(stored, new)`, which then becomes what
-//!   the cache stores (a growing buffer and a filling ring), or [`DecodeFetch::Ring`] — the
+//!   [`DecodeFetch::Concat`](crate::cache::DecodeFetch::Concat) — the step reads `concat(stored, new)`, which then becomes what
+//!   the cache stores (a growing buffer and a filling ring), or [`DecodeFetch::Ring`](crate::cache::DecodeFetch::Ring) — the
 //!   step writes the new position into the full ring at a slot given as an array and reads
 //!   the whole ring, in place because the cache hands its buffers over;
 //! - the graph is shapeless, so one trace serves every length of stored positions; its body
