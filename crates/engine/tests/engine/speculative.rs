@@ -143,10 +143,24 @@ fn greedy_output_is_plain_output_for_every_method() {
 
 /// On encoded KV storage (every layer, the KV-shared ones reading a quantized donor), each
 /// method still returns plain greedy's tokens on the same storage, a conversion reached in the
-/// middle of the reply included (rounds stop at it).
+/// middle of the reply included (rounds stop at it), and with an image in the prompt (its
+/// block appended bidirectionally into 4-bit storage).
 #[test]
 fn greedy_output_is_plain_output_on_quantized_kv() {
     let model = load("dense");
+    let four = KvOptions {
+        format: KvFormat::Affine { bits: 4, group_size: 32 },
+        quantized_start: 0,
+        layers: KvLayers::All,
+    };
+    let image = image_request(model.as_ref(), 48);
+    let want = plain_with(model.as_ref(), &image, &four);
+    assert_ne!(want.tokens, plain(model.as_ref(), &image).tokens);
+    for (name, mut method) in methods() {
+        let length = DraftLength { max: 4, adaptive: true };
+        let (got, _) = speculative_with(model.as_ref(), &image, method.as_mut(), length, &four);
+        assert_eq!(got.tokens, want.tokens, "image on 4-bit KV, {name}");
+    }
     let request = GenerateRequest::new(text_prompt(), 64);
     let formats = [
         (KvFormat::Affine { bits: 4, group_size: 32 }, 0),
