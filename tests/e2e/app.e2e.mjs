@@ -247,6 +247,7 @@ async function main() {
     // The KV cache, chosen in the chat's settings (each choice priced for the demo model): the
     // reply runs on 4-bit keys and values, and its stats say so.
     await (await s.find('[data-testid="settings-button"]')).click();
+    await s.waitForElement('[data-testid="kv-cache"]');
     const kvOptions = await s.execute(`return [...document.querySelectorAll('[data-testid="kv-cache"] option')].map((o) => o.textContent);`);
     assert.ok(kvOptions.length === 4 && kvOptions.every((o) => / per 1,000 tokens$/.test(o)), JSON.stringify(kvOptions));
     await (await s.find('[data-testid="kv-cache"]')).click();
