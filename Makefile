@@ -135,6 +135,7 @@ golden-check: setup
 	$(VENV_PY) tests/golden/vision/make_golden.py --check
 	$(VENV_PY) tests/golden/assistant/make_golden.py --check
 	$(VENV_PY) tests/golden/kv/make_golden.py --check
+	$(VENV_PY) tests/golden/qwen3_5/make_golden.py --check
 
 # Doc tests and the build check first, so the run ends on the main suite's summary line.
 test-rust: app-inputs
@@ -193,6 +194,7 @@ fixtures: setup
 	$(VENV_PY) tests/golden/tokenizer/make_golden.py
 	$(VENV_PY) tests/golden/vision/make_golden.py
 	$(VENV_PY) tests/golden/kv/make_golden.py
+	$(VENV_PY) tests/golden/qwen3_5/make_golden.py
 
 bench-ops: setup
 	$(CARGO) run --release --locked -p quince-cli -- bench-ops

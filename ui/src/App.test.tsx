@@ -52,7 +52,7 @@ beforeEach(() => {
   handlers.set("load_model", (a) => {
     const { onProgress } = a as { onProgress: { onmessage: (e: unknown) => void } };
     onProgress.onmessage({ kind: "progress", stage: "weights", done: 1, total: 2 });
-    return { path: "demo", name: "Demo (untrained)", vision: false, max_context: 2048, kv_costs: { full: 2048, affine8: 1088, affine4: 576, turbo3: 400 } };
+    return { path: "demo", name: "Demo (untrained)", vision: false, max_context: 2048, kv_costs: { full: 2048, affine8: 1088, affine4: 576, turbo3: 400 }, thinking: false };
   });
   handlers.set("list_conversations", () => [
     { id: 1, title: conv.title, model_id: null, updated_at: 0 },
@@ -225,6 +225,57 @@ describe("App", () => {
       await waitFor(() => expect(screen.queryByTestId("settings-panel")).toBeNull());
       expect(saved.at(-1)).toMatchObject({ temperature: 0.7, speculation: want });
     }
+  });
+});
+
+describe("Thinking", () => {
+  it("folds a reply's thinking above its answer, and offers the switch for a model that thinks", async () => {
+    handlers.set("load_model", () => ({
+      path: "qwen", name: "Qwen", vision: false, max_context: 4096,
+      kv_costs: { full: 2048, affine8: 1088, affine4: 576, turbo3: 400 }, thinking: true,
+    }));
+    handlers.set("send_message", async (a) => {
+      const { text, onEvent } = a as { text: string; onEvent: { onmessage: (e: StreamEvent) => void } };
+      const user = msg({ id: 10, role: "user", content: text });
+      const reply = msg({ id: 11, parent_id: 10, role: "assistant", state: "streaming" });
+      onEvent.onmessage({ kind: "started", user, reply });
+      onEvent.onmessage({ kind: "text", text: "<think>\nTwo and two " });
+      onEvent.onmessage({ kind: "text", text: "make four.\n</think>\n\nIt is **4**." });
+      const final: ThreadMessage = { ...reply, state: "complete", content: "<think>\nTwo and two make four.\n</think>\n\nIt is **4**." };
+      onEvent.onmessage({ kind: "done", reply: final });
+      conv = { ...conv, title: text, messages: [user, final] };
+      return final;
+    });
+    const saved: unknown[] = [];
+    handlers.set("set_system_prompt", () => null);
+    handlers.set("set_settings", (a) => {
+      saved.push((a as { settings: unknown }).settings);
+      return null;
+    });
+    render(<App />);
+    await waitFor(() => expect(screen.getByTestId("model-status").textContent).toBe("Qwen"));
+    const input = screen.getByTestId("composer-input") as HTMLTextAreaElement;
+    fireEvent.change(input, { target: { value: "2+2?" } });
+    await act(async () => {
+      fireEvent.keyDown(input, { key: "Enter" });
+    });
+    const thinking = (await screen.findByTestId("thinking")) as HTMLDetailsElement;
+    expect(thinking.open).toBe(false);
+    expect(thinking.querySelector("summary")?.textContent).toBe("Thought");
+    expect(thinking.textContent).toContain("Two and two make four.");
+    const replies = screen.getAllByTestId("message-content");
+    const answer = replies[replies.length - 1];
+    expect(answer.querySelector("strong")?.textContent).toBe("4");
+    expect(answer.textContent).not.toContain("</think>");
+
+    fireEvent.click(screen.getByTestId("settings-button"));
+    const box = (await screen.findByTestId("thinking-switch")) as HTMLInputElement;
+    expect(box.checked).toBe(true);
+    fireEvent.click(box);
+    await act(async () => {
+      fireEvent.click(screen.getByTestId("settings-save"));
+    });
+    await waitFor(() => expect(saved.at(-1)).toMatchObject({ thinking: false }));
   });
 });
 

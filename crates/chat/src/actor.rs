@@ -29,6 +29,8 @@ pub struct ModelInfo {
     pub identity: Identity,
     /// Its KV cache's bytes per token under each choice the settings offer.
     pub kv_costs: KvCosts,
+    /// Whether its chat template turns thinking on and off (`enable_thinking`).
+    pub thinking: bool,
 }
 
 /// What a reply emits while it is generated.
@@ -245,6 +247,7 @@ fn info(chat: &ChatModel) -> ModelInfo {
             affine4: cost(affine(4)),
             turbo3: engine::cache::KvFormat::turbo(3.0).map_or(0, cost),
         },
+        thinking: chat.tokenizer().is_some_and(|t| t.takes_thinking()),
     }
 }
 

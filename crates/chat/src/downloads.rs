@@ -137,6 +137,35 @@ const RECOMMENDED: &[Recommended] = &[
         vision: true,
     },
     Recommended {
+        repo: "mlx-community/Qwen3.5-4B-OptiQ-4bit",
+        name: "Qwen3.5 4B",
+        model_type: "qwen3_5",
+        description: "Qwen3.5, small and sharp; thinks before it answers (switch it off in a \
+                      chat's settings). Text only in Quince for now.",
+        weight_bytes: 2_800 * MB,
+        kv_bytes: 330 * MB,
+        vision: false,
+    },
+    Recommended {
+        repo: "mlx-community/Qwen3.5-9B-OptiQ-4bit",
+        name: "Qwen3.5 9B",
+        model_type: "qwen3_5",
+        description: "Qwen3.5, the everyday size; thinks before it answers. 16 GB Macs and up.",
+        weight_bytes: 5_600 * MB,
+        kv_bytes: 330 * MB,
+        vision: false,
+    },
+    Recommended {
+        repo: "mlx-community/Qwen3.5-35B-A3B-OptiQ-4bit",
+        name: "Qwen3.5 35B-A3B",
+        model_type: "qwen3_5_moe",
+        description: "Qwen3.5 mixture of experts: large-model quality at 3B-active speed. 32 GB \
+                      Macs and up.",
+        weight_bytes: 20_100 * MB,
+        kv_bytes: 280 * MB,
+        vision: false,
+    },
+    Recommended {
         repo: "mlx-community/gemma-4-e2b-it-assistant-bf16",
         name: "Gemma 4 E2B assistant",
         model_type: "gemma4_assistant",
@@ -746,12 +775,12 @@ impl Chat {
 mod tests {
     use super::*;
 
-    /// The catalog offers only what the registry loads (Gemma 4 and Gemma 3 today), each entry
-    /// with its family's role.
+    /// The catalog offers only what the registry loads (Gemma 4, Gemma 3 and Qwen3.5 today),
+    /// each entry with its family's role.
     #[test]
     fn the_catalog_offers_only_what_the_registry_loads() {
         let offered: Vec<&str> = recommended().map(|r| r.repo).collect();
-        for family in ["gemma-4", "gemma-3"] {
+        for family in ["gemma-4", "gemma-3", "Qwen3.5"] {
             assert!(offered.iter().any(|r| r.contains(family)), "{family}: {offered:?}");
         }
         for r in RECOMMENDED {

@@ -161,6 +161,7 @@ impl Chat {
             vision: info.vision,
             max_context: info.max_context as u32,
             kv_costs: info.kv_costs,
+            thinking: info.thinking,
         };
         // The model is in place before the waiting replies hear that the load ended.
         *lock(&self.loaded) = Some(model.clone());

@@ -112,6 +112,7 @@ impl Chat {
         let turn = Turn {
             max_tokens: settings.max_tokens as usize,
             max_soft_tokens: settings.max_soft_tokens as usize,
+            thinking: Some(settings.thinking),
             kv: settings.kv,
             memory_share: Some(self.app_settings().await?.memory_share),
             ..Turn::new(prompt)
@@ -487,6 +488,7 @@ impl Chat {
             speculation: settings.speculation.clone(),
             kv: settings.kv,
             memory_share,
+            thinking: Some(settings.thinking),
             ..Turn::new(prompt)
         };
         if let Some(generation) = lock(&self.running).get_mut(&conversation) {

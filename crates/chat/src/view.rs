@@ -107,6 +107,8 @@ pub struct Settings {
     pub speculation: Speculation,
     /// How the KV cache is stored (and from which token it is quantized).
     pub kv: KvOptions,
+    /// Let a model that can think first do so (its template's `enable_thinking`).
+    pub thinking: bool,
 }
 
 impl Default for Settings {
@@ -120,6 +122,7 @@ impl Default for Settings {
             max_soft_tokens: 280,
             speculation: Speculation::Off,
             kv: KvOptions::full(),
+            thinking: true,
         }
     }
 }
@@ -230,8 +233,8 @@ pub struct ModelEntry {
     pub bytes: u64,
     /// Why it cannot be loaded, if it cannot.
     pub problem: Option<String>,
-    /// A Gemma 4 assistant drafter (`gemma4_assistant`): chosen for speculative decoding in a
-    /// chat's settings, never loaded to chat with.
+    /// A drafter made for one model (a Gemma 4 assistant, a Qwen3.5 MTP head): chosen for
+    /// speculative decoding in a chat's settings, never loaded to chat with.
     #[serde(default)]
     pub drafter: bool,
 }
@@ -249,6 +252,8 @@ pub struct LoadedModel {
     pub max_context: u32,
     /// What its KV cache takes per token under each choice the settings offer.
     pub kv_costs: KvCosts,
+    /// Whether its chat template turns thinking on and off (the settings offer the switch).
+    pub thinking: bool,
 }
 
 /// Bytes the whole KV cache of a model takes per token, under each choice the settings
@@ -454,7 +459,7 @@ pub struct CatalogEntry {
     pub description: String,
     /// In the recommended list.
     pub recommended: bool,
-    /// A Gemma 4 assistant drafter (for speculative decoding).
+    /// A drafter made for one model (for speculative decoding).
     pub drafter: bool,
     /// Takes images.
     pub vision: bool,

@@ -66,12 +66,16 @@ pub struct GenerateArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// With --prompt, ask a model whose chat template can think (Qwen's `enable_thinking`)
+    /// to answer without thinking first.
+    #[arg(long)]
+    no_thinking: bool,
     /// Speculative decoding with the draft model in this folder (it must share the target's
     /// tokenizer).
     #[arg(long, conflicts_with_all = ["lookup", "assistant"])]
     draft: Option<PathBuf>,
-    /// Speculative decoding with a drafter made for this model (a `gemma4_assistant`
-    /// checkpoint) in this folder.
+    /// Speculative decoding with a drafter made for this model (a `gemma4_assistant` or
+    /// `qwen3_5_mtp` folder) in this folder.
     #[arg(long, conflicts_with = "lookup")]
     assistant: Option<PathBuf>,
     /// Speculative decoding with prompt lookup (n-gram matches in the prompt and the reply).
@@ -130,6 +134,7 @@ impl GenerateArgs {
             draft_length: DraftLength { max: self.num_draft, adaptive: !self.fixed_draft },
             kv: self.kv.options()?,
             memory_share: self.kv.memory_share(),
+            thinking: self.no_thinking.then_some(false),
             ..Turn::new(prompt)
         })
     }

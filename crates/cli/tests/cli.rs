@@ -482,8 +482,19 @@ fn the_untrained_demo_chats_through_the_real_template_with_and_without_images() 
     );
 }
 
-/// `quince chat --json`, parsed.
+/// `quince chat --json` on the golden Gemma 4 checkpoint, parsed.
 fn chat_turn(
+    data: &std::path::Path,
+    name: &str,
+    tokens: &[u32],
+    extra: &[&str],
+) -> serde_json::Value {
+    chat_turn_on(&dense(), data, name, tokens, extra)
+}
+
+/// `quince chat --json` on `model`, parsed.
+fn chat_turn_on(
+    model: &std::path::Path,
     data: &std::path::Path,
     name: &str,
     tokens: &[u32],
@@ -494,7 +505,7 @@ fn chat_turn(
         .args(["chat", "--data-dir"])
         .arg(data)
         .args(["--conversation", name, "--model"])
-        .arg(dense())
+        .arg(model)
         .args(["--tokens", &ids.join(","), "--max-tokens", "6", "--ignore-eos", "--json"])
         .args(extra)
         .output()
@@ -542,6 +553,34 @@ fn chat_resumes_raw_token_turns_from_checkpoints_like_a_cold_generate() {
     assert_eq!(again["reused_tokens"].as_u64(), Some(0));
     assert_eq!(again["checkpoint"], serde_json::Value::Null);
     assert_eq!(ids(&again["token_ids"]), ids(&second["token_ids"]));
+}
+
+/// On Qwen3.5 (recurrent state that cannot be trimmed), `quince chat` turns in separate
+/// processes reuse the checkpoint and give the tokens of one cold `generate` over the whole
+/// conversation.
+#[test]
+fn qwen3_5_chat_turns_resume_in_new_processes_as_a_cold_generate() {
+    let model = root().join("tests/golden/qwen3_5/dense");
+    let data = tempfile::tempdir().unwrap();
+    let turn1: Vec<u32> = (0..40).map(|i| (i * 13 % 200) as u32 + 5).collect();
+    let turn2: Vec<u32> = vec![17, 23, 29];
+    let first = chat_turn_on(&model, data.path(), "qwen", &turn1, &[]);
+    assert!(first["checkpoint"].as_str().is_some_and(|p| std::path::Path::new(p).is_file()));
+    let second = chat_turn_on(&model, data.path(), "qwen", &turn2, &[]);
+    let reply1 = ids(&first["token_ids"]);
+    assert_eq!(second["reused_tokens"].as_u64(), Some(40 + reply1.len() as u64), "{second}");
+    assert_eq!(second["prefilled_tokens"].as_u64(), Some(3));
+    let whole: Vec<String> =
+        turn1.iter().chain(&reply1).chain(&turn2).map(u32::to_string).collect();
+    let cold = json_of(quince().args(["generate", "--model"]).arg(&model).args([
+        "--tokens",
+        &whole.join(","),
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    ]));
+    assert_eq!(ids(&second["token_ids"]), ids(&cold["token_ids"]));
 }
 
 #[test]
@@ -796,4 +835,42 @@ fn the_trained_demo_writes_english_and_scores_held_out_text_as_mlx_lm_does() {
         (json["perplexity"].as_f64().unwrap(), reference["perplexity"].as_f64().unwrap());
     assert_eq!(json["scored_tokens"], reference["tokens"]);
     assert!((got - want).abs() <= 1e-4 * want, "perplexity {got}, mlx-lm's {want}");
+}
+
+/// Qwen3.5 (dense and MoE, f32 and 4-bit) through the command line: `generate --tokens` gives
+/// mlx-lm's greedy tokens, `logits` (full and incremental) its logits.
+#[test]
+fn qwen3_5_generates_and_reports_logits_as_the_reference() {
+    for (name, tolerance) in [("dense", 1e-4f32), ("moe_q4", 1e-3)] {
+        let dir = root().join("tests/golden/qwen3_5").join(name);
+        let g = test_support::golden(&dir);
+        let prompt = test_support::comma_list(&g.prompt);
+        let json = json_of(quince().args(["generate", "--model"]).arg(&dir).args([
+            "--tokens",
+            &prompt,
+            "--max-tokens",
+            "48",
+            "--ignore-eos",
+            "--json",
+        ]));
+        assert_eq!(ids(&json["token_ids"]), g.greedy[..48].to_vec(), "{name}");
+        assert!(json["kv_storage"].as_str().unwrap().contains("gated_delta("), "{json}");
+        let tmp = tempfile::tempdir().unwrap();
+        for incremental in [false, true] {
+            let out = tmp.path().join(format!("logits-{incremental}.safetensors"));
+            let mut cmd = quince();
+            cmd.args(["logits", "--model"])
+                .arg(&dir)
+                .args(["--tokens", &prompt, "--out"])
+                .arg(&out);
+            if incremental {
+                cmd.arg("--incremental");
+            }
+            let status = cmd.output().unwrap();
+            assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+            let logits = mlx::io::load_safetensors(&out).unwrap().tensors["logits"].clone();
+            let diff = test_support::max_diff(&logits.reshape(&[40, -1]).unwrap(), &g.logits);
+            assert!(diff <= tolerance, "{name}, incremental {incremental}: {diff}");
+        }
+    }
 }

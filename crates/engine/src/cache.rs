@@ -15,8 +15,9 @@
 //!   stored; [`AttentionCache::block`]),
 //! - [`CompiledDecodeCache`] (a slot in a compiled decode step; [`AttentionCache::compiled`]).
 //!
-//! Recurrent (gated DeltaNet) and latent (MLA) state join as capabilities of their own beside
-//! `as_attention_mut`, so generation, checkpoints and rounds keep working on `dyn Cache`.
+//! Recurrent state joins as a capability of its own beside `as_attention_mut`
+//! ([`GatedDeltaCache`], [`Cache::as_gated_delta_mut`]), as latent (MLA) state will, so
+//! generation, checkpoints and rounds keep working on `dyn Cache`.
 //!
 //! A model hands a layer's new keys and values to its cache through a method named for the
 //! phase (`append_window` for prefill chunks and verify windows, `append_decode` for one new
@@ -40,9 +41,12 @@
 //!   move their offset back; a ring restores its snapshot and rewrites the kept positions
 //!   into the slots decode steps would have used, so it stays exact after it wraps.
 //!
-//! Storages: [`PlainCache`] (growable) and [`RotatingCache`] (sliding window ring). Rows of a
+//! Storages: [`PlainCache`] (growable), [`RotatingCache`] (sliding window ring) and
+//! [`RecurrentCache`] (a gated DeltaNet layer's convolution tail and recurrent state, which
+//! rounds roll back by replaying the kept positions). Rows of a
 //! batch: [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]).
 
+mod gated_delta;
 mod kv;
 mod plain;
 mod plan;
@@ -56,6 +60,7 @@ use std::collections::BTreeMap;
 
 use mlx::Array;
 
+pub use gated_delta::{DeltaHeads, DeltaShape, GatedDeltaCache, GatedDeltaLayer, RecurrentCache};
 pub(crate) use kv::Codec;
 pub use kv::{KvEncoding, KvFormat};
 pub use plain::PlainCache;
@@ -119,6 +124,10 @@ pub trait Cache: std::fmt::Debug {
     }
     /// [`Cache::as_attention`], to append to.
     fn as_attention_mut(&mut self) -> Option<&mut dyn AttentionCache> {
+        None
+    }
+    /// This state as a gated DeltaNet layer's recurrent state, to append to, when it is.
+    fn as_gated_delta_mut(&mut self) -> Option<&mut dyn GatedDeltaCache> {
         None
     }
 }

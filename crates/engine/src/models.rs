@@ -5,6 +5,7 @@
 
 pub mod gemma3;
 pub mod gemma4;
+pub mod qwen3_5;
 
 use mlx::Array;
 
@@ -109,11 +110,16 @@ pub trait Model: std::fmt::Debug {
     fn assistant_rows(&self) -> Option<&dyn AssistantRows> {
         None
     }
+    /// The port a recurrent multi-token-prediction head reads, when this model provides it.
+    fn recurrent_mtp(&self) -> Option<&dyn RecurrentMtpRows> {
+        None
+    }
     /// Whether this model provides a port draft methods read.
     fn provides(&self, port: TargetPort) -> bool {
         match port {
             TargetPort::AssistantRows => self.assistant_rows().is_some(),
-            _ => false,
+            TargetPort::RecurrentMtp => self.recurrent_mtp().is_some(),
+            TargetPort::HiddenLayerTaps => false,
         }
     }
 }
@@ -174,6 +180,25 @@ pub trait AssistantRows {
     fn last_hidden(&self) -> Option<Array>;
 }
 
+/// The [`TargetPort::RecurrentMtp`] port: what a recurrent multi-token-prediction head (Qwen3.5's
+/// MTP) reads from its target: the embedding, the output head, and the final-normed hidden
+/// state of every position the target computes.
+pub trait RecurrentMtpRows {
+    /// The target's residual width.
+    fn hidden_size(&self) -> usize;
+    /// The target's input embedding of `ids` `[B, T]`.
+    fn embed(&self, ids: &Array) -> Result<Array>;
+    /// The target's output head over final-normed hidden states.
+    fn logits(&self, hidden: &Array) -> Result<Array>;
+    /// Starts keeping (or stops keeping and drops) the final-normed hidden rows of every
+    /// forward pass that returns all its rows ([`Rows::All`]: decode steps, verify windows;
+    /// a prefill chunk that returns only its last row keeps none).
+    fn keep_hidden(&self, on: bool);
+    /// The rows kept since the last call, each `[B, T, H]` with the position of its first row,
+    /// oldest first (a later pass over the same positions, after a rollback, supersedes).
+    fn take_hidden(&self) -> Vec<(usize, Array)>;
+}
+
 /// The target a method drafts for, as it stands between rounds: its caches hold every
 /// conversation token but the bonus.
 #[derive(Debug, Clone, Copy)]
@@ -220,4 +245,7 @@ pub trait DraftMethod: std::fmt::Debug {
     fn resume(&mut self, _attachments: &[Attachment], _tokens: &[u32]) -> Result<()> {
         Ok(())
     }
+    /// After a generation (whatever its end): let go of what [`DraftMethod::bind`] asked of
+    /// the target (the hidden rows an MTP head has it keep).
+    fn release(&mut self, _target: &dyn Model) {}
 }

@@ -156,4 +156,19 @@ impl Embedding {
     }
 }
 
+/// `x · Wₑᵀ` with `Wₑ` the matrix of `stack` that `routes` names for each row of `x` (the row
+/// `rows` names, or MLX's broadcast of the batch when `None`).
+pub(crate) fn gather_product(
+    stack: &Matrix,
+    x: &Array,
+    rows: Option<&Array>,
+    routes: &Array,
+    sorted: bool,
+) -> Result<Array> {
+    Ok(match stack {
+        Matrix::Dense(w) => x.gather_matmul(&w.swapaxes(-1, -2)?, rows, Some(routes), sorted)?,
+        Matrix::Quantized(q) => q.gather_matmul(x, rows, Some(routes), true, sorted)?,
+    })
+}
+
 pub use crate::pointwise::{Activations, RmsNorm, compile_available};

@@ -58,6 +58,18 @@ pub const FAMILIES: &[Family] = &[
         takes_images: models::gemma3::takes_images,
     },
     Family {
+        name: "Qwen3.5",
+        model_types: &["qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"],
+        loader: Loader::Model(models::qwen3_5::load),
+        takes_images: models::qwen3_5::takes_images,
+    },
+    Family {
+        name: "Qwen3.5 MTP",
+        model_types: &["qwen3_5_mtp"],
+        loader: Loader::Drafter(models::qwen3_5::mtp::load),
+        takes_images: |_| false,
+    },
+    Family {
         name: "Gemma 4 assistant",
         model_types: &["gemma4_assistant"],
         loader: Loader::Drafter(models::gemma4::load_assistant),

@@ -51,7 +51,8 @@ pub enum Speculation {
         /// The draft model's folder.
         model: PathBuf,
     },
-    /// Drafts from a drafter made for the loaded model (a Gemma 4 assistant).
+    /// Drafts from a drafter made for the loaded model (a Gemma 4 assistant, a Qwen3.5 MTP
+    /// head).
     Assistant {
         /// The drafter's folder.
         model: PathBuf,
@@ -127,6 +128,21 @@ pub fn generate(
         }
     }
     method.bind(model)?;
+    let result = rounds(model, caches, earlier, request, method, length, on_token);
+    method.release(model);
+    result
+}
+
+/// [`generate`] once the method is bound.
+fn rounds(
+    model: &dyn Model,
+    caches: &mut [Box<dyn Cache>],
+    earlier: &[u32],
+    request: &GenerateRequest,
+    method: &mut dyn DraftMethod,
+    length: DraftLength,
+    on_token: impl FnMut(u32) -> Flow,
+) -> Result<(Generation, SpecStats)> {
     let mut sampler = Sampler::new(request.sampling.clone())?;
     let greedy = request.sampling.temperature == 0.0
         && request.sampling.repetition_penalty == 1.0

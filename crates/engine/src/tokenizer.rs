@@ -177,8 +177,23 @@ impl Tokenizer {
         self.template.is_some()
     }
 
+    /// Whether the chat template takes `enable_thinking` (Qwen's: thinking on or off).
+    pub fn takes_thinking(&self) -> bool {
+        self.template.as_deref().is_some_and(|t| t.contains("enable_thinking"))
+    }
+
     /// Renders the chat template over `messages`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &TemplateOptions::default())
+    }
+
+    /// Renders the chat template over `messages` with `options`.
+    pub fn render_with(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        options: &TemplateOptions,
+    ) -> Result<String> {
         let template = self
             .template
             .as_deref()
@@ -190,6 +205,7 @@ impl Tokenizer {
             self.bos_token.as_deref(),
             self.eos_token.as_deref(),
             &chrono::Local::now(),
+            options,
         )
     }
 
@@ -199,15 +215,24 @@ impl Tokenizer {
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
+        options: &TemplateOptions,
     ) -> Result<Vec<u32>> {
-        let text = self.render(messages, add_generation_prompt)?;
+        let text = self.render_with(messages, add_generation_prompt, options)?;
         self.encode(&text, false)
     }
 }
 
+/// What a chat template is rendered with besides the messages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TemplateOptions {
+    /// `enable_thinking` (Qwen's templates): `None` leaves it undefined, the template's
+    /// default.
+    pub enable_thinking: Option<bool>,
+}
+
 /// Renders a Hugging Face chat template the way `transformers` does (trim_blocks and
 /// lstrip_blocks on, loop controls, `raise_exception`, `strftime_now`, `tojson`, Python string
-/// methods). `now` is the clock `strftime_now` reads.
+/// methods). `now` is the clock `strftime_now` reads; `options` adds template variables.
 pub fn render_template(
     template: &str,
     messages: &[Message],
@@ -215,6 +240,7 @@ pub fn render_template(
     bos_token: Option<&str>,
     eos_token: Option<&str>,
     now: &chrono::DateTime<chrono::Local>,
+    options: &TemplateOptions,
 ) -> Result<String> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
@@ -233,13 +259,17 @@ pub fn render_template(
     let failed = |e: minijinja::Error| Error::InvalidRequest(format!("chat template: {e:#}"));
     env.add_template("chat", template).map_err(failed)?;
     let tmpl = env.get_template("chat").map_err(failed)?;
-    tmpl.render(context! {
+    let base = context! {
         messages => JinjaValue::from_serialize(messages),
         add_generation_prompt => add_generation_prompt,
         bos_token => bos_token.unwrap_or_default(),
         eos_token => eos_token.unwrap_or_default(),
-    })
-    .map_err(failed)
+    };
+    let context = match options.enable_thinking {
+        Some(thinking) => context! { enable_thinking => thinking, ..base },
+        None => base,
+    };
+    tmpl.render(context).map_err(failed)
 }
 
 /// Turns a stream of token ids into text increments and watches for stop strings.
@@ -303,7 +333,15 @@ mod tests {
             .with_ymd_and_hms(2026, 11, 30, 9, 5, 0)
             .single()
             .ok_or_else(|| Error::InvalidRequest("bad test date".into()))?;
-        render_template(template, messages, true, Some("<s>"), Some("</s>"), &now)
+        render_template(
+            template,
+            messages,
+            true,
+            Some("<s>"),
+            Some("</s>"),
+            &now,
+            &TemplateOptions::default(),
+        )
     }
 
     #[test]

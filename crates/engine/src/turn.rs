@@ -37,7 +37,7 @@ use crate::models::Model;
 use crate::options::LoadOptions;
 use crate::sampling::SamplingParams;
 use crate::speculative::{self, DraftLength, SpecStats, Speculation};
-use crate::tokenizer::{TextStream, Tokenizer};
+use crate::tokenizer::{TemplateOptions, TextStream, Tokenizer};
 
 /// A model ready to answer turns: its weights, its tokenizer (absent for a checkpoint without
 /// tokenizer files: raw token turns only) and who its checkpoints belong to.
@@ -130,6 +130,9 @@ pub struct Turn {
     pub resume: Vec<ResumeCandidate>,
     /// Where to write the checkpoint at this turn's boundary (`None`: nowhere).
     pub checkpoint_to: Option<PathBuf>,
+    /// `enable_thinking` for templates that take it (Qwen's): `None` is the template's
+    /// default.
+    pub thinking: Option<bool>,
 }
 
 impl Turn {
@@ -148,7 +151,13 @@ impl Turn {
             memory_share: Some(crate::memory::DEFAULT_SHARE),
             resume: Vec::new(),
             checkpoint_to: None,
+            thinking: None,
         }
+    }
+
+    /// The template variables this turn renders with.
+    pub fn template_options(&self) -> TemplateOptions {
+        TemplateOptions { enable_thinking: self.thinking }
     }
 }
 
@@ -324,7 +333,7 @@ impl ChatModel {
         let model = self.model();
         // Every image is read and sized first: a bad file fails here, before any prompt work.
         let prepared = prompt::prepare_images(model, &turn.prompt, turn.max_soft_tokens)?;
-        let prompt = prompt::render(self, &turn.prompt, &prepared, true)?;
+        let prompt = prompt::render(self, &turn.prompt, &prepared, true, &turn.template_options())?;
         let limit = model.max_context();
         if prompt.len() >= limit {
             return Err(Error::PromptTooLong { prompt_tokens: prompt.len(), limit });
@@ -371,12 +380,27 @@ impl ChatModel {
         let restore_ms = restore_started.elapsed().as_secs_f64() * 1e3;
         let (mut caches, reused) = (resumed.caches, resumed.reused);
         let images = prompt::encode_after(model, &prompt, &prepared, reused)?;
-        let request = GenerateRequest {
+        let mut request = GenerateRequest {
             sampling: turn.sampling.clone(),
             stop_tokens: stop_tokens.clone(),
             images,
             ..GenerateRequest::new(prompt[reused..].to_vec(), max_tokens)
         };
+        // State that cannot be trimmed (recurrent layers) cannot go back from the reply to the
+        // boundary the next turn starts with when the reply re-tokenizes differently: keep
+        // its state at the end of the prompt (all but its last token) to write the boundary
+        // from.
+        let prefill_started = Instant::now();
+        let prompt_state = match &turn.checkpoint_to {
+            Some(_) if plan.has_recurrent_state() && request.images.is_empty() => {
+                let options = turn.template_options();
+                let split = prompt::history_end(self, &turn.prompt, &prompt, &prepared, &options)?;
+                resume::prompt_state(model, &mut caches, &prompt, reused, split, &mut request)?
+            }
+            _ => None,
+        };
+        let early_prefill_s = prefill_started.elapsed().as_secs_f64();
+        let context_len = prompt.len() - request.prompt.len();
 
         let mut method = drafters.method(self, &turn.speculation)?;
         if let (Some(m), Some((_, contents))) = (method.as_deref_mut(), &resumed.from) {
@@ -420,7 +444,7 @@ impl ChatModel {
                 let (generation, spec) = speculative::generate(
                     model,
                     &mut caches,
-                    &prompt[..reused],
+                    &prompt[..context_len],
                     &request,
                     method,
                     turn.draft_length,
@@ -442,6 +466,7 @@ impl ChatModel {
                     &prepared,
                     &generation.tokens,
                     &text,
+                    &turn.template_options(),
                 )?;
                 let attachments = match method.map(|m| m.checkpoint(&boundary)) {
                     Some(Ok(attachment)) => attachment.into_iter().collect(),
@@ -457,12 +482,38 @@ impl ChatModel {
                     .copied()
                     .take(stack_offset(&caches))
                     .collect();
+                // A template may render the reply otherwise once a later turn follows (Qwen's
+                // drops its thinking): state that cannot be trimmed is then kept where the
+                // history ends instead.
+                let at_prompt = match &prompt_state {
+                    Some((tokens, states)) => {
+                        let options = turn.template_options();
+                        let rewritten = !prompt::later_turns_keep(
+                            self,
+                            &turn.prompt,
+                            &prepared,
+                            &boundary,
+                            &text,
+                            &options,
+                        )?;
+                        Some((tokens.as_slice(), states.as_slice(), rewritten))
+                    }
+                    None => None,
+                };
                 // The reply stands without its checkpoint (a full disk, say): log and go on.
-                resume::write_boundary(self, boundary, held, &mut caches, path, &attachments)
-                    .unwrap_or_else(|e| {
-                        tracing::warn!(path = %path.display(), "no KV checkpoint written: {e}");
-                        None
-                    })
+                resume::write_boundary(
+                    self,
+                    boundary,
+                    held,
+                    &mut caches,
+                    at_prompt,
+                    path,
+                    &attachments,
+                )
+                .unwrap_or_else(|e| {
+                    tracing::warn!(path = %path.display(), "no KV checkpoint written: {e}");
+                    None
+                })
             }
             None => None,
         };
@@ -475,7 +526,13 @@ impl ChatModel {
             reused_tokens: reused,
             generated_tokens: s.generated_tokens,
             ttft_ms: first_token.map_or(s.ttft_ms, |t| t.as_secs_f64() * 1e3),
-            prefill_tok_s: s.prefill_tok_s,
+            prefill_tok_s: match prompt_state {
+                // The prompt was prefilled in two steps: up to where its history ends, then the rest.
+                Some(_) if s.prefill_tok_s > 0.0 => {
+                    (prompt.len() - reused) as f64 / (early_prefill_s + 1.0 / s.prefill_tok_s)
+                }
+                _ => s.prefill_tok_s,
+            },
             decode_tok_s: s.decode_tok_s,
             restore_ms,
             peak_mem_bytes: s.peak_mem_bytes as u64,

@@ -32,6 +32,7 @@ std::unique_ptr<Array> binary(BinaryOp op, const Array& a, const Array& b) {
     case BinaryOp::BitwiseOr: return boxed(mx::bitwise_or(a, b));
     case BinaryOp::LeftShift: return boxed(mx::left_shift(a, b));
     case BinaryOp::RightShift: return boxed(mx::right_shift(a, b));
+    case BinaryOp::LogAddExp: return boxed(mx::logaddexp(a, b));
   }
   throw std::invalid_argument("unknown binary op");
 }
@@ -56,6 +57,7 @@ std::unique_ptr<Array> unary(UnaryOp op, const Array& a) {
     case UnaryOp::Reciprocal: return boxed(mx::reciprocal(a));
     case UnaryOp::LogicalNot: return boxed(mx::logical_not(a));
     case UnaryOp::StopGradient: return boxed(mx::stop_gradient(a));
+    case UnaryOp::Contiguous: return boxed(mx::contiguous(a));
   }
   throw std::invalid_argument("unknown unary op");
 }

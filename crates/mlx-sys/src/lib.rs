@@ -65,6 +65,7 @@ pub mod ffi {
         BitwiseOr,
         LeftShift,
         RightShift,
+        LogAddExp,
     }
 
     /// Element-wise unary operations.
@@ -88,6 +89,7 @@ pub mod ffi {
         Reciprocal,
         LogicalNot,
         StopGradient,
+        Contiguous,
     }
 
     /// Reductions over a set of axes.

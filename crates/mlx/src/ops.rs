@@ -67,6 +67,8 @@ binary_methods! {
     left_shift => LeftShift;
     /// Element-wise `self >> other` (integers).
     right_shift => RightShift;
+    /// `log(e^self + e^other)`, computed stably (`softplus(x)` is `x.logaddexp(0)`).
+    logaddexp => LogAddExp;
 }
 
 macro_rules! unary_methods {
@@ -120,6 +122,8 @@ unary_methods! {
     logical_not => LogicalNot;
     /// The same values with gradients stopped (identity in inference).
     stop_gradient => StopGradient;
+    /// The same values in a buffer of their own, row-major (a slice stops holding its source).
+    contiguous => Contiguous;
 }
 
 macro_rules! reduce_methods {

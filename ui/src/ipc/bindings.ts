@@ -287,7 +287,11 @@ speculation: Speculation,
 /**
  * How the KV cache is stored (and from which token it is quantized).
  */
-kv: KvOptions, };
+kv: KvOptions, 
+/**
+ * Let a model that can think first do so (its template's `enable_thinking`).
+ */
+thinking: boolean, };
 
 export type ConversationSummary = { 
 /**
@@ -407,8 +411,8 @@ bytes: number,
  */
 problem: string | null, 
 /**
- * A Gemma 4 assistant drafter (`gemma4_assistant`): chosen for speculative decoding in a
- * chat's settings, never loaded to chat with.
+ * A drafter made for one model (a Gemma 4 assistant, a Qwen3.5 MTP head): chosen for
+ * speculative decoding in a chat's settings, never loaded to chat with.
  */
 drafter: boolean, };
 
@@ -432,7 +436,11 @@ max_context: number,
 /**
  * What its KV cache takes per token under each choice the settings offer.
  */
-kv_costs: KvCosts, };
+kv_costs: KvCosts, 
+/**
+ * Whether its chat template turns thinking on and off (the settings offer the switch).
+ */
+thinking: boolean, };
 
 export type ModelsState = { 
 /**
@@ -570,7 +578,7 @@ description: string,
  */
 recommended: boolean, 
 /**
- * A Gemma 4 assistant drafter (for speculative decoding).
+ * A drafter made for one model (for speculative decoding).
  */
 drafter: boolean, 
 /**

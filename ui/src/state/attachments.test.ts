@@ -63,7 +63,7 @@ describe("attachments", () => {
   });
 
   it("refuses images when the model has no vision or none is loaded", () => {
-    const base = { path: "/m", name: "M", max_context: 2048, kv_costs: { full: 0, affine8: 0, affine4: 0, turbo3: 0 } };
+    const base = { path: "/m", name: "M", max_context: 2048, kv_costs: { full: 0, affine8: 0, affine4: 0, turbo3: 0 }, thinking: false };
     expect(visionRefusal({ ...base, vision: false })).toBe(NO_VISION_MESSAGE);
     expect(visionRefusal(null)).toBe(NO_VISION_MESSAGE);
     expect(visionRefusal({ ...base, vision: true })).toBeNull();

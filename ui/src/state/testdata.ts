@@ -22,7 +22,7 @@ export function detail(id: number, messages: ThreadMessage[] = []): Conversation
     title: "New chat",
     model_id: null,
     system_prompt: "",
-    settings: { temperature: 0.7, top_p: 0.9, top_k: 40, max_tokens: 512, seed: 0, max_soft_tokens: 280, speculation: { method: "off" }, kv: { format: { scheme: "full" }, quantized_start: 0, layers: "all" } },
+    settings: { temperature: 0.7, top_p: 0.9, top_k: 40, max_tokens: 512, seed: 0, max_soft_tokens: 280, speculation: { method: "off" }, kv: { format: { scheme: "full" }, quantized_start: 0, layers: "all" }, thinking: true },
     messages,
   };
 }

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Cache, KvEncoding, KvFormat, PlainCache, RotatingCache};
+use super::{Cache, DeltaShape, KvEncoding, KvFormat, PlainCache, RecurrentCache, RotatingCache};
 use crate::backend::Ops;
 use crate::error::{Error, Result};
 
@@ -19,6 +19,9 @@ pub enum Layout {
         /// Keys a query sees, itself included.
         window: usize,
     },
+    /// No positions: a gated DeltaNet layer's recurrent state ([`RecurrentCache`]), the same
+    /// size at every length. KV choices leave it as it is.
+    GatedDelta(DeltaShape),
 }
 
 /// One layer's storage: its layout and how it encodes keys and values.
@@ -41,17 +44,26 @@ impl Storage {
         Storage { layout: Layout::Rotating { window }, kv: KvEncoding::full() }
     }
 
+    /// A gated DeltaNet layer's recurrent state.
+    pub fn gated_delta(shape: DeltaShape) -> Storage {
+        Storage { layout: Layout::GatedDelta(shape), kv: KvEncoding::full() }
+    }
+
     /// An empty cache of this storage whose reads run `ops`.
     pub fn build(self, ops: &Ops) -> Result<Box<dyn Cache>> {
         Ok(match self.layout {
             Layout::Plain => Box::new(PlainCache::encoded(self.kv, ops)),
             Layout::Rotating { window } => Box::new(RotatingCache::encoded(window, self.kv, ops)?),
+            Layout::GatedDelta(shape) => Box::new(RecurrentCache::new(shape)),
         })
     }
 
     /// Bytes one more position costs in a layer of `shape` once converted (one row).
     pub fn bytes_per_token(&self, shape: &KvShape) -> usize {
-        shape.bytes(&self.kv.format)
+        match self.layout {
+            Layout::GatedDelta(_) => 0,
+            _ => shape.bytes(&self.kv.format),
+        }
     }
 
     /// Bytes this layer holds after `tokens` positions: a ring holds at most its window, and
@@ -60,6 +72,7 @@ impl Storage {
         let held = match self.layout {
             Layout::Plain => tokens,
             Layout::Rotating { window } => tokens.min(window),
+            Layout::GatedDelta(delta) => return delta.state_bytes(shape.dtype_bytes),
         };
         if tokens > 0 && tokens >= self.kv.start {
             held * shape.bytes(&self.kv.format)
@@ -177,8 +190,10 @@ impl CachePlan {
     /// start (sliding windows too unless `layers` is [`KvLayers::Full`]). Refused when the
     /// format does not fit a layer's head dimension.
     pub fn with_kv(&self, options: &KvOptions) -> Result<CachePlan> {
-        let applies = |storage: &Storage| {
-            !matches!((storage.layout, options.layers), (Layout::Rotating { .. }, KvLayers::Full))
+        let applies = |storage: &Storage| match storage.layout {
+            Layout::GatedDelta(_) => false,
+            Layout::Rotating { .. } => options.layers == KvLayers::All,
+            Layout::Plain => true,
         };
         let mut layers = Vec::with_capacity(self.layers.len());
         for (storage, shape) in self.layers.iter().zip(&self.shapes) {
@@ -192,6 +207,11 @@ impl CachePlan {
             layers.push(Storage { kv, ..*storage });
         }
         Ok(CachePlan { layers, shapes: self.shapes.clone() })
+    }
+
+    /// Whether a layer keeps recurrent state (which cannot be trimmed back to a prefix).
+    pub fn has_recurrent_state(&self) -> bool {
+        self.layers.iter().any(|s| matches!(s.layout, Layout::GatedDelta(_)))
     }
 
     /// Bytes the whole stack holds after `tokens` positions (one row).

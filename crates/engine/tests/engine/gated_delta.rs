@@ -1,0 +1,231 @@
+//! The gated DeltaNet state (`RecurrentCache`): a speculative round rolled back to `keep`
+//! leaves bit for bit what appending only the kept positions leaves, whatever the calls inside
+//! the round (one verify window, or a drafter's decode steps), and the next append reads the
+//! same; saved state restores exactly; positions cannot be trimmed.
+
+use engine::Result;
+use engine::cache::{
+    Cache, DeltaHeads, DeltaShape, GatedDeltaCache, GatedDeltaLayer, RecurrentCache,
+};
+use mlx::{Array, fast};
+use proptest::prelude::*;
+
+use crate::cache::{bitwise_equal, normal};
+
+const SHAPE: DeltaShape =
+    DeltaShape { kernel: 4, key_heads: 2, value_heads: 4, key_dim: 8, value_dim: 4 };
+
+/// A block's recurrence weights and glue, as Qwen3.5's: SiLU, the split, L2-normed queries
+/// and keys.
+struct Layer {
+    conv: Array,
+    a_log: Array,
+    dt_bias: Array,
+}
+
+impl Layer {
+    fn new(seed: u64) -> Layer {
+        let hv = SHAPE.value_heads as i32;
+        Layer {
+            conv: normal(&[SHAPE.conv_dim() as i32, SHAPE.kernel as i32, 1], seed)
+                .multiply_scalar(0.5)
+                .unwrap(),
+            a_log: normal(&[hv], seed + 1).multiply_scalar(0.3).unwrap().add_scalar(-1.0).unwrap(),
+            dt_bias: normal(&[hv], seed + 2),
+        }
+    }
+}
+
+impl GatedDeltaLayer for Layer {
+    fn conv_weight(&self) -> &Array {
+        &self.conv
+    }
+
+    fn a_log(&self) -> &Array {
+        &self.a_log
+    }
+
+    fn dt_bias(&self) -> &Array {
+        &self.dt_bias
+    }
+
+    fn heads(&self, convolved: &Array) -> Result<DeltaHeads> {
+        let s = convolved.shape();
+        let (b, l) = (s[0], s[1]);
+        let out = convolved.silu()?;
+        let (hk, dk) = (SHAPE.key_heads as i32, SHAPE.key_dim as i32);
+        let (hv, dv) = (SHAPE.value_heads as i32, SHAPE.value_dim as i32);
+        let part = |from: i32, heads: i32, dim: i32| -> Result<Array> {
+            Ok(out
+                .slice(&[0, 0, from], &[b, l, from + heads * dim], &[1, 1, 1])?
+                .reshape(&[b, l, heads, dim])?)
+        };
+        let norm = |x: Array| -> Result<Array> { Ok(fast::rms_norm(&x, None, 1e-6)?) };
+        Ok(DeltaHeads {
+            q: norm(part(0, hk, dk)?)?,
+            k: norm(part(hk * dk, hk, dk)?)?,
+            v: part(2 * hk * dk, hv, dv)?,
+        })
+    }
+}
+
+/// `qkv`, `a` and `b` for `length` positions of `rows` rows.
+fn inputs(rows: i32, length: usize, seed: u64) -> (Array, Array, Array) {
+    let l = length as i32;
+    let hv = SHAPE.value_heads as i32;
+    (
+        normal(&[rows, l, SHAPE.conv_dim() as i32], seed),
+        normal(&[rows, l, hv], seed + 1),
+        normal(&[rows, l, hv], seed + 2),
+    )
+}
+
+fn positions(x: &Array, from: usize, to: usize) -> Array {
+    let s = x.shape();
+    x.slice(&[0, from as i32, 0], &[s[0], to as i32, s[2]], &[1, 1, 1]).unwrap()
+}
+
+fn append(
+    cache: &mut RecurrentCache,
+    x: &(Array, Array, Array),
+    from: usize,
+    to: usize,
+    decode: bool,
+    layer: &Layer,
+) -> Array {
+    let (qkv, a, b) =
+        (positions(&x.0, from, to), positions(&x.1, from, to), positions(&x.2, from, to));
+    if decode {
+        cache.recur_decode(&qkv, &a, &b, layer).unwrap()
+    } else {
+        cache.recur_window(&qkv, &a, &b, layer).unwrap()
+    }
+}
+
+fn same_state(a: &RecurrentCache, b: &RecurrentCache) -> bool {
+    let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
+    a.offset() == b.offset()
+        && ["conv", "recurrent"].iter().all(|k| bitwise_equal(&sa.tensors[*k], &sb.tensors[*k]))
+}
+
+/// One round: `calls` appends (each a window or decode steps) of these lengths, then `keep`
+/// of all their positions kept.
+#[derive(Debug, Clone)]
+struct Round {
+    calls: Vec<(usize, bool)>,
+    keep: usize,
+}
+
+fn rounds() -> impl Strategy<Value = Vec<Round>> {
+    let call = (1usize..6, any::<bool>());
+    prop::collection::vec(
+        (prop::collection::vec(call, 1..4), 0usize..16).prop_map(|(calls, keep)| {
+            let total: usize = calls.iter().map(|c| c.0).sum();
+            Round { calls, keep: keep.min(total) }
+        }),
+        1..6,
+    )
+}
+
+/// Runs `rounds` on one cache and, on another, appends only each round's kept positions (one
+/// window of them when `kept_as_window`, else one decode step each): after every round the
+/// two hold the same state bit for bit, and read the next position the same.
+fn rounds_match_kept_appends(
+    rounds: &[Round],
+    prefix: usize,
+    rows: i32,
+    kept_as_window: bool,
+    seed: u64,
+) {
+    let layer = Layer::new(seed);
+    let mut speculative = RecurrentCache::new(SHAPE);
+    let mut reference = RecurrentCache::new(SHAPE);
+    let start = inputs(rows, prefix, seed + 10);
+    append(&mut speculative, &start, 0, prefix, false, &layer);
+    append(&mut reference, &start, 0, prefix, false, &layer);
+    for (n, round) in rounds.iter().enumerate() {
+        let total: usize = round.calls.iter().map(|c| c.0).sum();
+        let x = inputs(rows, total, seed * 100 + n as u64 * 7);
+        speculative.spec_round_begin().unwrap();
+        let mut at = 0;
+        for &(length, steps) in &round.calls {
+            if steps {
+                for i in at..at + length {
+                    append(&mut speculative, &x, i, i + 1, true, &layer);
+                }
+            } else {
+                append(&mut speculative, &x, at, at + length, false, &layer);
+            }
+            at += length;
+        }
+        speculative.spec_round_rollback(round.keep).unwrap();
+        if round.keep > 0 {
+            if kept_as_window {
+                append(&mut reference, &x, 0, round.keep, false, &layer);
+            } else {
+                for i in 0..round.keep {
+                    append(&mut reference, &x, i, i + 1, true, &layer);
+                }
+            }
+        }
+        assert!(same_state(&speculative, &reference), "round {n}: {round:?}");
+        // The next read is the same too (a throwaway round on each).
+        let next = inputs(rows, 1, seed + 5000 + n as u64);
+        speculative.spec_round_begin().unwrap();
+        reference.spec_round_begin().unwrap();
+        let a = append(&mut speculative, &next, 0, 1, true, &layer);
+        let b = append(&mut reference, &next, 0, 1, true, &layer);
+        assert!(bitwise_equal(&a, &b), "round {n}: the next read differs");
+        speculative.spec_round_rollback(0).unwrap();
+        reference.spec_round_rollback(0).unwrap();
+        assert!(same_state(&speculative, &reference), "round {n}: after a rollback to 0");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn rounds_leave_what_the_kept_positions_leave(rounds in rounds(), prefix in 1usize..9, rows in 1i32..3, kept_as_window in any::<bool>(), seed in 0u64..1000) {
+        rounds_match_kept_appends(&rounds, prefix, rows, kept_as_window, seed);
+    }
+}
+
+/// A window and the same positions one decode step at a time leave the same state and read
+/// the same outputs (one recurrence, position by position, whatever the phase).
+#[test]
+fn a_window_equals_its_decode_steps() {
+    let layer = Layer::new(3);
+    let x = inputs(1, 9, 40);
+    let mut window = RecurrentCache::new(SHAPE);
+    let mut steps = RecurrentCache::new(SHAPE);
+    let y = append(&mut window, &x, 0, 9, false, &layer);
+    let ys: Vec<Array> = (0..9).map(|i| append(&mut steps, &x, i, i + 1, true, &layer)).collect();
+    assert!(same_state(&window, &steps));
+    let joined = mlx::ops::concatenate(&ys.iter().collect::<Vec<_>>(), 1).unwrap();
+    assert!(bitwise_equal(&y, &joined));
+}
+
+/// Saved state restores into a fresh cache and continues identically; positions cannot be
+/// trimmed, and a state of another geometry is refused.
+#[test]
+fn state_restores_exactly_and_positions_cannot_be_trimmed() {
+    let layer = Layer::new(5);
+    let x = inputs(1, 12, 50);
+    let mut cache = RecurrentCache::new(SHAPE);
+    append(&mut cache, &x, 0, 7, false, &layer);
+    let saved = cache.state().unwrap();
+    let mut restored = RecurrentCache::new(SHAPE);
+    restored.restore(&saved).unwrap();
+    assert!(same_state(&cache, &restored));
+    let a = append(&mut cache, &x, 7, 12, false, &layer);
+    let b = append(&mut restored, &x, 7, 12, false, &layer);
+    assert!(bitwise_equal(&a, &b));
+    assert!(!cache.is_trimmable());
+    assert_eq!(cache.trim(0).unwrap(), 0);
+    let error = cache.trim(1).unwrap_err().to_string();
+    assert!(error.contains("cannot drop positions"), "{error}");
+    let mut other = RecurrentCache::new(DeltaShape { value_dim: 8, ..SHAPE });
+    assert!(other.restore(&saved).is_err(), "another geometry's state");
+    assert!(RecurrentCache::new(SHAPE).state().is_err(), "an empty cache has no state");
+}

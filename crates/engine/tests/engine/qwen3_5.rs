@@ -1,0 +1,338 @@
+//! Qwen3.5 against the reference: logits of mlx-lm 0.32.2's own `qwen3_5` and `qwen3_5_moe`
+//! models and their greedy continuation, recorded by `tests/golden/qwen3_5/make_golden.py` on
+//! tiny random-weight checkpoints (f32 and 4-bit): gated DeltaNet layers around gated full
+//! attention, two value heads per key head, routed experts with a gated shared expert.
+
+use std::path::PathBuf;
+
+use engine::generate::{Flow, GenerateRequest, generate};
+use engine::models::Model;
+use engine::sampling::SamplingParams;
+use engine::speculative::draft_model::DraftModel;
+use engine::speculative::lookup::PromptLookup;
+use engine::speculative::{self, DraftLength, DraftMethod, Speculation};
+use engine::turn::{ChatModel, Drafters, Prompt, ResumeCandidate, Turn};
+
+use super::gemma4::{check_checkpoint, full_logits, golden_at, max_diff};
+
+fn golden_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden/qwen3_5").join(name)
+}
+
+fn load(name: &str) -> Box<dyn Model> {
+    engine::registry::load_model(golden_dir(name), &engine::LoadOptions::default()).unwrap()
+}
+
+#[test]
+fn dense_f32_matches_the_reference() {
+    check_checkpoint(&golden_dir("dense"), 1e-4);
+}
+
+#[test]
+fn dense_four_bit_matches_the_reference() {
+    check_checkpoint(&golden_dir("dense_q4"), 1e-3);
+}
+
+/// 8 experts, 2 per token: the 40-token prefill routes 80 rows, so the sorted route runs
+/// there and the unsorted one in decode steps.
+#[test]
+fn mixture_of_experts_matches_the_reference() {
+    check_checkpoint(&golden_dir("moe"), 1e-4);
+}
+
+/// 4-bit experts, the router and the shared expert's gate at 8 bits (mlx-lm's predicate).
+#[test]
+fn four_bit_mixture_of_experts_matches_the_reference() {
+    check_checkpoint(&golden_dir("moe_q4"), 1e-3);
+}
+
+/// The Hugging Face layout of the dense checkpoint (`model.language_model.*`, norms stored as
+/// `w − 1`, convolutions `[C, 1, K]`) gives the dense checkpoint's logits.
+#[test]
+fn the_hugging_face_layout_loads_to_the_same_model() {
+    let g = golden_at(&golden_dir("dense"));
+    let diff = max_diff(&full_logits(load("dense_hf").as_ref(), &g.prompt), &g.logits);
+    assert!(diff <= 1e-4, "HF layout logits differ by {diff}");
+}
+
+/// A prompt that repeats itself, so prompt lookup has matches to propose.
+fn repeating_prompt() -> Vec<u32> {
+    let phrase = [17u32, 230, 45, 301, 9, 77, 412, 5];
+    (0..5).flat_map(|i| phrase.iter().map(move |&t| t + i % 2)).collect()
+}
+
+/// Prompt lookup, the target's own weights in 4 bits (drafts that agree often, not always),
+/// the other hybrid model of the same vocabulary (drafts mostly wrong) and, for the dense
+/// target, its MTP head.
+fn methods(target: &str) -> Vec<(String, Box<dyn DraftMethod>)> {
+    let other = if target == "dense" { "moe" } else { "dense" };
+    let mut methods: Vec<(String, Box<dyn DraftMethod>)> = vec![
+        ("lookup".into(), Box::new(PromptLookup::default())),
+        (format!("draft {target}_q4"), Box::new(DraftModel::new(load(&format!("{target}_q4"))))),
+        (format!("draft {other}"), Box::new(DraftModel::new(load(other)))),
+    ];
+    if target == "dense" {
+        // Its multi-token-prediction head (random weights: drafts mostly wrong).
+        let options = engine::LoadOptions::default();
+        methods.push((
+            "mtp".into(),
+            engine::registry::load_drafter(golden_dir("mtp"), &options).unwrap(),
+        ));
+    }
+    methods
+}
+
+/// Speculative decoding on hybrid targets (and hybrid drafters) gives exactly plain decoding's
+/// tokens, greedy and sampled at the same seed: every rejected draft rolls the recurrent state
+/// back by replaying the kept positions.
+#[test]
+fn speculation_on_hybrid_models_gives_the_plain_tokens() {
+    for target in ["dense", "moe"] {
+        let model = load(target);
+        let greedy = GenerateRequest::new(repeating_prompt(), 64);
+        let sampling = SamplingParams { temperature: 0.8, seed: 77, ..SamplingParams::default() };
+        let sampled = GenerateRequest { sampling, ..greedy.clone() };
+        for (what, request) in [("greedy", &greedy), ("sampled", &sampled)] {
+            let mut caches = model.fresh_caches().unwrap();
+            let want = generate(model.as_ref(), &mut caches, request, |_| Flow::Continue).unwrap();
+            for (name, mut method) in methods(target) {
+                let mut caches = model.fresh_caches().unwrap();
+                let length = DraftLength { max: 4, adaptive: false };
+                let (got, spec) = speculative::generate(
+                    model.as_ref(),
+                    &mut caches,
+                    &[],
+                    request,
+                    method.as_mut(),
+                    length,
+                    |_| Flow::Continue,
+                )
+                .unwrap();
+                assert_eq!(got.tokens, want.tokens, "{target}, {what}, {name}");
+                assert!(spec.rounds > 0 && spec.proposed > 0, "{target}, {what}, {name}");
+                assert!(spec.accepted < spec.proposed, "{target}, {what}, {name}: some rejected");
+                assert_eq!(
+                    caches[0].offset(),
+                    request.prompt.len() + got.tokens.len() - 1,
+                    "{target}, {what}, {name}"
+                );
+            }
+        }
+    }
+}
+
+/// A drafter equal to the target is always accepted: the replayed state is the state.
+#[test]
+fn a_hybrid_draft_equal_to_the_target_is_always_accepted() {
+    let model = load("dense");
+    let request = GenerateRequest::new(repeating_prompt(), 40);
+    let mut caches = model.fresh_caches().unwrap();
+    let want = generate(model.as_ref(), &mut caches, &request, |_| Flow::Continue).unwrap();
+    let mut method = DraftModel::new(load("dense"));
+    let mut caches = model.fresh_caches().unwrap();
+    let length = DraftLength { max: 4, adaptive: false };
+    let (got, spec) = speculative::generate(
+        model.as_ref(),
+        &mut caches,
+        &[],
+        &request,
+        &mut method,
+        length,
+        |_| Flow::Continue,
+    )
+    .unwrap();
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(spec.accepted, spec.proposed, "{spec:?}");
+}
+
+/// Through the turn API, as `quince chat` runs turns in separate processes: the first turn
+/// writes a checkpoint at its boundary; the second, on a freshly loaded model, resumes from it
+/// and answers with the cold run's tokens, plainly and with prompt lookup and a draft model.
+#[test]
+fn turns_resume_from_checkpoints_after_a_restart_as_cold_runs() {
+    let dir = golden_dir("dense");
+    let tmp = tempfile::tempdir().unwrap();
+    let load_chat = || ChatModel::load(&dir, &engine::LoadOptions::default()).unwrap();
+    let mut drafters = Drafters::new(engine::LoadOptions::default());
+    let first: Vec<u32> = (0..24).map(|i| (i * 37 % 400) + 3).collect();
+    let one = load_chat()
+        .answer(
+            &Turn {
+                max_tokens: 10,
+                checkpoint_to: Some(tmp.path().join("turn1.safetensors")),
+                ..Turn::new(Prompt::Tokens { ids: first, images: Vec::new() })
+            },
+            &mut drafters,
+            |_| Flow::Continue,
+        )
+        .unwrap();
+    let checkpoint = one.checkpoint.expect("the first turn's checkpoint");
+    assert!(checkpoint.file.signature.contains("gated_delta("), "{}", checkpoint.file.signature);
+    let mut second = checkpoint.tokens.clone();
+    second.extend([41, 97, 203, 7, 350, 41, 97, 203]);
+    let prompt = Prompt::Tokens { ids: second, images: Vec::new() };
+    let cold = load_chat()
+        .answer(&Turn { max_tokens: 24, ..Turn::new(prompt.clone()) }, &mut drafters, |_| {
+            Flow::Continue
+        })
+        .unwrap();
+    assert_eq!(cold.stats.reused_tokens, 0);
+    let candidate = ResumeCandidate {
+        id: 3,
+        path: checkpoint.file.path.clone(),
+        sha256: checkpoint.file.sha256.clone(),
+        tokens: checkpoint.tokens.clone(),
+        signature: Some(checkpoint.file.signature.clone()),
+    };
+    for speculation in [
+        Speculation::Off,
+        Speculation::Lookup,
+        Speculation::Draft { model: golden_dir("dense_q4") },
+        Speculation::Assistant { model: golden_dir("mtp") },
+    ] {
+        let warm = load_chat()
+            .answer(
+                &Turn {
+                    max_tokens: 24,
+                    resume: vec![candidate.clone()],
+                    speculation: speculation.clone(),
+                    ..Turn::new(prompt.clone())
+                },
+                &mut drafters,
+                |_| Flow::Continue,
+            )
+            .unwrap();
+        assert_eq!(warm.resumed_from, Some(3), "{speculation:?}");
+        assert_eq!(warm.stats.reused_tokens, checkpoint.tokens.len(), "{speculation:?}");
+        assert_eq!(warm.tokens, cold.tokens, "{speculation:?}: resumed = cold");
+    }
+}
+
+/// The MTP head, with an oracle deciding how many drafts each round gets right (the golden's
+/// `forced` drafts, as mlx-vlm verified them): records what the head itself proposed and how
+/// many drafts the target accepted.
+#[derive(Debug)]
+struct Oracle {
+    inner: Box<dyn DraftMethod>,
+    forced: Vec<Vec<u32>>,
+    own: Vec<Vec<u32>>,
+    accepted: Vec<usize>,
+}
+
+impl DraftMethod for Oracle {
+    fn name(&self) -> &'static str {
+        "oracle"
+    }
+    fn ports(&self) -> &'static [engine::models::TargetPort] {
+        self.inner.ports()
+    }
+    fn bind(&mut self, target: &dyn Model) -> engine::Result<()> {
+        self.inner.bind(target)
+    }
+    fn start(
+        &mut self,
+        target: engine::models::Target<'_>,
+        context: &[u32],
+    ) -> engine::Result<usize> {
+        self.inner.start(target, context)
+    }
+    fn propose(
+        &mut self,
+        target: engine::models::Target<'_>,
+        context: &[u32],
+        max: usize,
+    ) -> engine::Result<Vec<u32>> {
+        let own = self.inner.propose(target, context, max)?;
+        let round = self.own.len();
+        self.own.push(own.clone());
+        Ok(self.forced.get(round).map_or(own, |f| f[..f.len().min(max)].to_vec()))
+    }
+    fn settle(
+        &mut self,
+        target: engine::models::Target<'_>,
+        accepted: usize,
+    ) -> engine::Result<()> {
+        self.accepted.push(accepted);
+        self.inner.settle(target, accepted)
+    }
+    fn release(&mut self, target: &dyn Model) {
+        self.inner.release(target);
+    }
+}
+
+/// The MTP drafter (`qwen3_5_mtp`) proposes what mlx-vlm 0.7.10's `Qwen3_5MTPDraftModel`
+/// proposes in every round of a greedy generation on the dense target, block size 4, rounds
+/// accepting 0 to 3 drafts; the reply is plain greedy's.
+#[test]
+fn the_mtp_head_drafts_what_mlx_vlm_drafts_every_round() {
+    let model = load("dense");
+    let file = mlx::io::load_safetensors(golden_dir("mtp").join("golden.safetensors")).unwrap();
+    let rows = |k: &str| -> Vec<Vec<u32>> {
+        let t = &file.tensors[k];
+        let width = t.dim(1).unwrap() as usize;
+        let flat = t.astype(mlx::Dtype::Int32).unwrap().to_vec::<i32>().unwrap();
+        flat.chunks(width)
+            .map(|r| r.iter().filter(|&&x| x >= 0).map(|&x| x as u32).collect())
+            .collect()
+    };
+    let list = |k: &str| test_support::ids(&file.tensors[k]);
+    let (drafts, forced, accepted) = (rows("drafts"), rows("forced"), list("accepted"));
+    let greedy = list("greedy");
+    let drafter =
+        engine::registry::load_drafter(golden_dir("mtp"), &engine::LoadOptions::default()).unwrap();
+    assert_eq!(drafter.name(), "mtp");
+    let mut oracle = Oracle { inner: drafter, forced, own: Vec::new(), accepted: Vec::new() };
+    // One more token than the reference generated: its rounds draft min(3, left) where ours
+    // leave the last token to the target, so the rounds line up.
+    let request = GenerateRequest::new(list("prompt"), greedy.len() + 1);
+    let mut caches = model.fresh_caches().unwrap();
+    let length = DraftLength { max: 3, adaptive: false };
+    let (got, _) = speculative::generate(
+        model.as_ref(),
+        &mut caches,
+        &[],
+        &request,
+        &mut oracle,
+        length,
+        |_| Flow::Continue,
+    )
+    .unwrap();
+    assert_eq!(got.tokens[..greedy.len()], greedy[..]);
+    assert_eq!(oracle.own.len(), drafts.len(), "rounds");
+    for (i, (ours, theirs)) in oracle.own.iter().zip(&drafts).enumerate() {
+        assert_eq!(ours, theirs, "round {i}: the head's drafts");
+    }
+    // Every round but the last is settled (the reply ends in the last one).
+    let ours: Vec<u32> = oracle.accepted.iter().map(|&a| a as u32).collect();
+    assert_eq!(ours.len() + 1, accepted.len());
+    assert_eq!(ours[..], accepted[..ours.len()], "accepted per round");
+    assert!(ours.contains(&3) && ours.contains(&0), "rounds accept 0 to 3: {ours:?}");
+}
+
+/// A config asking for what the engine does not implement is refused at load, naming the key.
+#[test]
+fn unsupported_config_keys_are_refused_naming_the_key() {
+    let cases: [(&str, &str, serde_json::Value); 5] = [
+        ("dense", "attention_bias", serde_json::json!(true)),
+        ("dense", "attn_output_gate", serde_json::json!(false)),
+        ("dense", "rope_parameters", serde_json::json!({"rope_type": "yarn", "factor": 4.0})),
+        ("dense", "layer_types", serde_json::json!(vec!["full_attention"; 8])),
+        ("moe", "decoder_sparse_step", serde_json::json!(2)),
+    ];
+    for (name, key, value) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(golden_dir(name)).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
+        }
+        let path = tmp.path().join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config["text_config"][key] = value;
+        std::fs::write(&path, config.to_string()).unwrap();
+        let error = engine::registry::load_model(tmp.path(), &engine::LoadOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(key), "{key}: {error}");
+    }
+}
