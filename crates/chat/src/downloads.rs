@@ -141,7 +141,7 @@ const RECOMMENDED: &[Recommended] = &[
         name: "Qwen3.5 4B",
         model_type: "qwen3_5",
         description: "Qwen3.5, small and sharp; thinks before it answers (switch it off in a \
-                      chat's settings). Text only in Quince for now.",
+                      chat's settings).",
         weight_bytes: 2_800 * MB,
         kv_bytes: 330 * MB,
         vision: false,

@@ -43,13 +43,15 @@
 //!
 //! Storages: [`PlainCache`] (growable), [`RotatingCache`] (sliding window ring) and
 //! [`RecurrentCache`] (a gated DeltaNet layer's convolution tail and recurrent state, which
-//! rounds roll back by replaying the kept positions). Rows of a
+//! rounds roll back by replaying the kept positions), and beside them [`PositionCache`] (where
+//! a multimodal-RoPE model's positions stand after its images). Rows of a
 //! batch: [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]).
 
 mod gated_delta;
 mod kv;
 mod plain;
 mod plan;
+mod positions;
 mod read;
 mod rotating;
 mod rows;
@@ -65,6 +67,7 @@ pub(crate) use kv::Codec;
 pub use kv::{KvEncoding, KvFormat};
 pub use plain::PlainCache;
 pub use plan::{CachePlan, KvLayers, KvOptions, KvShape, Layout, Storage};
+pub use positions::PositionCache;
 pub use read::AttentionRead;
 pub(crate) use read::{ReadMask, overlay_mask};
 pub use rotating::RotatingCache;
@@ -128,6 +131,10 @@ pub trait Cache: std::fmt::Debug {
     }
     /// This state as a gated DeltaNet layer's recurrent state, to append to, when it is.
     fn as_gated_delta_mut(&mut self) -> Option<&mut dyn GatedDeltaCache> {
+        None
+    }
+    /// A multimodal-RoPE model's position shift ([`PositionCache`]), when this is one.
+    fn as_positions_mut(&mut self) -> Option<&mut PositionCache> {
         None
     }
 }

@@ -224,7 +224,7 @@ pub fn prefill_multimodal(
         )));
     }
     for (i, ((_, len), features)) in runs.iter().zip(images).enumerate() {
-        let rows = features.dim(0)? as usize;
+        let rows = crate::vision::soft_tokens(features);
         if rows != *len {
             return Err(Error::InvalidRequest(format!(
                 "image {} has {rows} soft tokens but its block in the prompt has {len}",

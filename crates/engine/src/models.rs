@@ -82,7 +82,8 @@ pub trait Model: std::fmt::Debug {
         None
     }
     /// Logits for a prompt whose image-token positions take the given image features (in
-    /// order, `[n_i, hidden]` each, from [`Vision::encode`]), appended as one window with the
+    /// order, each from [`Vision::encode`]: `[n_i, hidden]`, or `[rows, cols, hidden]` for a
+    /// model that places soft tokens on the image's grid), appended as one window with the
     /// model's image-block attention rule.
     fn forward_multimodal(
         &self,

@@ -11,6 +11,12 @@ use mlx::Array;
 use crate::error::Result;
 use crate::tokenizer::Tokenizer;
 
+/// Soft tokens in one image's features (`[n, hidden]`, or `[rows, cols, hidden]` on a grid).
+pub fn soft_tokens(features: &Array) -> usize {
+    let s = features.shape();
+    s[..s.len().saturating_sub(1)].iter().map(|&d| d as usize).product()
+}
+
 /// An image ready for a vision tower.
 #[derive(Debug)]
 pub struct PreparedImage {
@@ -34,7 +40,8 @@ pub trait Vision: std::fmt::Debug {
     /// Resizes and scales `image` the way the model's reference preprocessor does, for a budget
     /// of `max_soft_tokens` (one of [`Vision::budgets`]).
     fn prepare(&self, image: &RgbImage, max_soft_tokens: usize) -> Result<PreparedImage>;
-    /// Soft-token features `[n, hidden]` of one prepared image's pixels.
+    /// Soft-token features of one prepared image's pixels: `[n, hidden]`, or `[rows, cols,
+    /// hidden]` for a model whose positions follow the image's grid (Qwen3.5's multimodal rope).
     fn encode(&self, pixels: &Array) -> Result<Array>;
     /// The token id image features replace in the prompt.
     fn image_token(&self) -> u32;

@@ -103,6 +103,7 @@ CHECKPOINTS = {
     "moe_q4": dict(kind="quantized", source="moe", bits=4, group_size=32, prompt_seed=122),
     "dense_hf": dict(kind="hf_layout", source="dense", prompt_seed=121),
     "mtp": dict(kind="mtp", source="dense", seed=23, prompt_seed=121),
+    "vision": dict(kind="vision", source="dense", seed=24, prompt_seed=121),
 }
 
 
@@ -204,7 +205,10 @@ def generate(out: Path, log=print) -> dict:
             shutil.rmtree(folder)
         notes = {}
         prompt = g4.make_prompt(spec["prompt_seed"])
-        if spec["kind"] == "mtp":
+        if spec["kind"] == "vision":
+            build_vision(folder, out / spec["source"], spec["seed"])
+            write_goldens(folder, vision_goldens(folder, prompt, notes))
+        elif spec["kind"] == "mtp":
             build_mtp(folder, spec["seed"])
             write_goldens(folder, mtp_goldens(folder, out / spec["source"], notes))
         elif spec["kind"] == "hf_layout":
@@ -340,6 +344,105 @@ def mtp_goldens(folder: Path, dense: Path, notes: dict) -> dict:
         forced[i, :len(f)] = f
     return {"prompt": prompt, "greedy": np.array(plain, dtype=np.int32), "drafts": drafts,
             "forced": forced, "accepted": np.array(accepted, dtype=np.int32)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Vision: mlx-vlm's qwen3_5 (Qwen3-VL's tower without deepstack) on the dense text weights
+
+TOWER = {
+    # Two blocks of width 32 (2 heads of 16), patches of 8 pixels merged 2×2 into one soft
+    # token of the text width, a 4×4 table of learned positions interpolated to each grid.
+    "model_type": "qwen3_5", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+    "out_hidden_size": 64, "num_heads": 2, "patch_size": 8, "spatial_merge_size": 2,
+    "temporal_patch_size": 2, "num_position_embeddings": 16, "in_channels": 3,
+    "deepstack_visual_indexes": [],
+}
+IMAGE_IDS = {"image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 502,
+             "vision_end_token_id": 503}
+PREPROCESSOR = {"patch_size": 8, "temporal_patch_size": 2, "merge_size": 2,
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                "size": {"shortest_edge": 1024, "longest_edge": 262144}}
+IMAGES = Path(__file__).resolve().parents[1] / "vision" / "images"
+# (image, max_pixels): a downscale to a 12×18 patch grid (54 soft tokens), the one the prompt
+# holds; a rounding to the nearest multiple of 16; a portrait that stays within the budget.
+PREPROCESS = [("rgb_640x480.png", 16384), ("rgb_123x77.bmp", 16384), ("rgba_200x256.png", 71680)]
+VISION_TOKENS = 48
+
+
+def vision_weights(model, seed: int) -> dict:
+    """RandomState(seed) over the tower's parameters sorted by name, float32: LayerNorm weights
+    1 + 0.1*N, biases 0.05*N, the patch embedding 0.1*N (its 384 inputs are in [-1, 1]), the
+    position table 0.5*N, everything else 0.1*N."""
+    rng = np.random.RandomState(seed)
+    out = {}
+    for name, p in sorted(tree_flatten(model.vision_tower.parameters()), key=lambda kv: kv[0]):
+        parts = name.split(".")
+        shape = tuple(p.shape)
+        if parts[-1] == "bias":
+            w = 0.05 * rng.standard_normal(shape)
+        elif "norm" in parts[-2]:
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif parts[-2] == "pos_embed":
+            w = 0.5 * rng.standard_normal(shape)
+        else:
+            w = 0.1 * rng.standard_normal(shape)
+        out["vision_tower." + name] = mx.array(w.astype(np.float32))
+    return out
+
+
+def build_vision(folder: Path, dense: Path, seed: int) -> None:
+    """mlx-vlm's qwen3_5 model: `dense`'s text weights and a random tower, saved by mlx-vlm's
+    writer with its preprocessor config."""
+    from mlx_vlm.models import qwen3_5 as vq
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg.update({"vision_config": dict(TOWER), **IMAGE_IDS, "vocab_size": g4.VOCAB})
+    model = vq.Model(vq.ModelConfig.from_dict(copy.deepcopy(cfg)))
+    weights = dict(mx.load(str(dense / "model.safetensors")))
+    weights.update(vision_weights(model, seed))
+    model.load_weights(list(weights.items()), strict=True)
+    g4.write_checkpoint(folder, cfg, model, "mlx_vlm")
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+
+
+def vision_goldens(folder: Path, text_prompt: np.ndarray, notes: dict) -> dict:
+    """The processor's pixel values and grids, the tower's features, and the full model's logits
+    and greedy continuation on a prompt with the first image after 8 text tokens."""
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor
+    from PIL import Image
+    model = g4.load_vlm(folder)
+    g4.assert_loaded_matches_file(model, folder)
+    processor = Qwen3VLImageProcessor(
+        patch_size=8, temporal_patch_size=2, merge_size=2,
+        min_pixels=PREPROCESSOR["size"]["shortest_edge"])
+    out = {}
+    for i, (name, max_pixels) in enumerate(PREPROCESS):
+        got = processor([Image.open(IMAGES / name)], max_pixels=max_pixels)
+        out[f"pixels_{i}"] = got["pixel_values"].astype(np.float32)
+        out[f"grid_{i}"] = got["image_grid_thw"][0].astype(np.int32)
+    pixels, grid = mx.array(out["pixels_0"]), mx.array(out["grid_0"][None])
+    features, _ = model.vision_tower(pixels, grid)
+    out["features"] = np.array(features)
+    soft = features.shape[0]
+    prompt = np.concatenate([text_prompt[:8], [502], np.full(soft, 500), [503],
+                             text_prompt[8:20]]).astype(np.int32)
+    ids = mx.array(prompt)[None]
+    cache = model.language_model.make_cache()
+    logits = model(ids, pixel_values=pixels, image_grid_thw=grid, cache=cache).logits
+    out["prompt"] = prompt
+    out["logits"] = np.array(logits.astype(mx.float32)[0])
+    # Decoding after the image: positions continue from the image's compact span (mlx-vlm's
+    # rope deltas).
+    tokens, y = [], mx.argmax(logits[:, -1, :], axis=-1)
+    for _ in range(VISION_TOKENS):
+        tokens.append(int(y.item()))
+        step = model.language_model(y[None], cache=cache).logits
+        y = mx.argmax(step[:, -1, :], axis=-1)
+    out["greedy"] = np.array(tokens, dtype=np.int32)
+    position_ids, deltas = model.language_model.get_rope_index(ids, grid)
+    out["positions"] = np.array(position_ids[:, 0, :]).astype(np.int32)
+    notes["soft_tokens"] = soft
+    notes["rope_delta"] = int(deltas.item())
+    return out
 
 
 def check(out: Path) -> int:

@@ -59,7 +59,7 @@ pub(super) fn run(
                 std::slice::from_ref(image),
                 args.max_soft_tokens,
             )?;
-            let n = features[0].dim(0)? as usize;
+            let n = engine::vision::soft_tokens(&features[0]);
             let Some(vision) = model.vision() else { bail!("this model has no vision tower") };
             let mut prompt = vec![2];
             prompt.extend(vision.image_block(n));

@@ -5,7 +5,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Cache, DeltaShape, KvEncoding, KvFormat, PlainCache, RecurrentCache, RotatingCache};
+use super::{
+    Cache, DeltaShape, KvEncoding, KvFormat, PlainCache, PositionCache, RecurrentCache,
+    RotatingCache,
+};
 use crate::backend::Ops;
 use crate::error::{Error, Result};
 
@@ -22,6 +25,9 @@ pub enum Layout {
     /// No positions: a gated DeltaNet layer's recurrent state ([`RecurrentCache`]), the same
     /// size at every length. KV choices leave it as it is.
     GatedDelta(DeltaShape),
+    /// No positions and no layer: where a multimodal-RoPE model's positions stand after its
+    /// images ([`PositionCache`]), kept beside the layers' state.
+    Positions,
 }
 
 /// One layer's storage: its layout and how it encodes keys and values.
@@ -49,19 +55,25 @@ impl Storage {
         Storage { layout: Layout::GatedDelta(shape), kv: KvEncoding::full() }
     }
 
+    /// A multimodal-RoPE model's position shift.
+    pub fn positions() -> Storage {
+        Storage { layout: Layout::Positions, kv: KvEncoding::full() }
+    }
+
     /// An empty cache of this storage whose reads run `ops`.
     pub fn build(self, ops: &Ops) -> Result<Box<dyn Cache>> {
         Ok(match self.layout {
             Layout::Plain => Box::new(PlainCache::encoded(self.kv, ops)),
             Layout::Rotating { window } => Box::new(RotatingCache::encoded(window, self.kv, ops)?),
             Layout::GatedDelta(shape) => Box::new(RecurrentCache::new(shape)),
+            Layout::Positions => Box::new(PositionCache::new()),
         })
     }
 
     /// Bytes one more position costs in a layer of `shape` once converted (one row).
     pub fn bytes_per_token(&self, shape: &KvShape) -> usize {
         match self.layout {
-            Layout::GatedDelta(_) => 0,
+            Layout::GatedDelta(_) | Layout::Positions => 0,
             _ => shape.bytes(&self.kv.format),
         }
     }
@@ -73,6 +85,7 @@ impl Storage {
             Layout::Plain => tokens,
             Layout::Rotating { window } => tokens.min(window),
             Layout::GatedDelta(delta) => return delta.state_bytes(shape.dtype_bytes),
+            Layout::Positions => return 0,
         };
         if tokens > 0 && tokens >= self.kv.start {
             held * shape.bytes(&self.kv.format)
@@ -191,7 +204,7 @@ impl CachePlan {
     /// format does not fit a layer's head dimension.
     pub fn with_kv(&self, options: &KvOptions) -> Result<CachePlan> {
         let applies = |storage: &Storage| match storage.layout {
-            Layout::GatedDelta(_) => false,
+            Layout::GatedDelta(_) | Layout::Positions => false,
             Layout::Rotating { .. } => options.layers == KvLayers::All,
             Layout::Plain => true,
         };

@@ -6,12 +6,15 @@
 //! `gated_delta.py`); `tests/golden/qwen3_5` pins it against mlx-lm's own model.
 //!
 //! Its multi-token-prediction head drafts for it ([`mtp`], a `qwen3_5_mtp` drafter folder).
-//! The vision tower is not here yet, so a checkpoint with one loads as text only.
+//! A checkpoint with a vision tower takes images ([`vision`], [`processor`]): mlx-vlm 0.7.10's
+//! `qwen3_5`, whose soft tokens take multimodal rope positions on the image's grid.
 
 pub mod config;
 mod layers;
 pub mod mtp;
+pub mod processor;
 pub mod text;
+pub mod vision;
 
 use serde_json::Value;
 
@@ -27,7 +30,7 @@ pub fn load(dir: &ModelDir, options: &LoadOptions) -> Result<Box<dyn Model>> {
     Ok(Box::new(Qwen35Text::load(dir, options)?))
 }
 
-/// Whether a checkpoint takes images: not yet (its vision tower is not ported).
-pub fn takes_images(_config: &Value) -> bool {
-    false
+/// Whether a checkpoint takes images: it has a vision tower.
+pub fn takes_images(config: &Value) -> bool {
+    config.get("vision_config").is_some_and(|v| !v.is_null())
 }

@@ -5,8 +5,9 @@
 
 use std::path::PathBuf;
 
-use engine::generate::{Flow, GenerateRequest, generate};
-use engine::models::Model;
+use engine::generate::{Flow, GenerateRequest, generate, prefill_multimodal};
+use engine::models::qwen3_5::Qwen35Text;
+use engine::models::{Model, Phase, Rows};
 use engine::sampling::SamplingParams;
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
@@ -334,5 +335,180 @@ fn unsupported_config_keys_are_refused_naming_the_key() {
             .unwrap_err()
             .to_string();
         assert!(error.contains(key), "{key}: {error}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vision: mlx-vlm 0.7.10's qwen3_5 on `dense`'s text weights with a tiny tower (`vision`)
+
+fn vision_golden() -> std::collections::HashMap<String, mlx::Array> {
+    mlx::io::load_safetensors(golden_dir("vision").join("golden.safetensors")).unwrap().tensors
+}
+
+fn image_path(name: &str) -> PathBuf {
+    golden_dir("../vision/images").join(name)
+}
+
+fn ints(a: &mlx::Array) -> Vec<u32> {
+    a.to_vec::<i32>().unwrap().into_iter().map(|v| v as u32).collect()
+}
+
+/// What the script's processor was given: (image, max_pixels) per `pixels_i`.
+const PREPROCESS: [(&str, u64); 3] =
+    [("rgb_640x480.png", 16384), ("rgb_123x77.bmp", 16384), ("rgba_200x256.png", 71680)];
+
+fn vision_model() -> Qwen35Text {
+    let dir = engine::checkpoint::ModelDir::open(golden_dir("vision")).unwrap();
+    Qwen35Text::load(&dir, &engine::LoadOptions::default()).unwrap()
+}
+
+/// The processor's `pixel_values` bit for bit: smart resize (half-to-even rounding, the pixel
+/// budget, scaling up), PIL's bicubic resize, the float32 rescale and normalization, the
+/// patch layout in merge order with the temporal copy; and its grid.
+#[test]
+fn vision_preprocessing_matches_mlx_vlm_byte_for_byte() {
+    let model = vision_model();
+    let images = model.images().expect("the vision checkpoint has a tower");
+    let golden = vision_golden();
+    for (i, (name, max_pixels)) in PREPROCESS.iter().enumerate() {
+        let rgb = engine::vision::image::load_rgb(&image_path(name)).unwrap();
+        let prepared = images.preprocess(&rgb, *max_pixels).unwrap();
+        let rows = images.patch_rows(&prepared.pixels).unwrap();
+        let want = &golden[&format!("pixels_{i}")];
+        assert_eq!(rows.shape(), want.shape(), "{name}");
+        assert_eq!(max_diff(&rows, want), 0.0, "{name}: pixel values differ");
+        let grid = ints(&golden[&format!("grid_{i}")]);
+        assert_eq!(grid, [1, prepared.height / 8, prepared.width / 8], "{name}: grid");
+        assert_eq!(prepared.soft_tokens as u32, grid[1] * grid[2] / 4, "{name}: soft tokens");
+    }
+}
+
+/// The tower's features (patch embedding, interpolated positions, 2-D rotary attention, the
+/// merger) within 1e-4 of mlx-vlm's, on its grid of 6 × 9 merged blocks.
+#[test]
+fn vision_features_match_mlx_vlm() {
+    let model = vision_model();
+    let images = model.images().expect("a tower");
+    let rgb = engine::vision::image::load_rgb(&image_path(PREPROCESS[0].0)).unwrap();
+    let prepared = images.preprocess(&rgb, PREPROCESS[0].1).unwrap();
+    let features = engine::vision::Vision::encode(images, &prepared.pixels).unwrap();
+    assert_eq!(features.shape(), [6, 9, 64]);
+    let d = max_diff(&features.reshape(&[54, 64]).unwrap(), &vision_golden()["features"]);
+    assert!(d <= 1e-4, "features differ by {d}");
+}
+
+fn prompt_features(model: &dyn Model) -> Vec<mlx::Array> {
+    let vision = model.vision().expect("a tower");
+    let rgb = engine::vision::image::load_rgb(&image_path("rgb_640x480.png")).unwrap();
+    // A budget of 64 soft tokens is 64 · 16² = 16,384 pixels, the golden's max_pixels.
+    vec![vision.encode(&vision.prepare(&rgb, 64).unwrap().pixels).unwrap()]
+}
+
+/// A prompt with an image after 9 tokens: logits of one window, of a chunked prefill (blocks
+/// whole, chunks after the image continuing from its compact positions), and 48 greedy tokens
+/// decoded after it (positions shifted by mlx-vlm's rope delta, −45) equal mlx-vlm's.
+#[test]
+fn image_prompts_match_mlx_vlm_full_chunked_and_greedy() {
+    let model = engine::registry::load_model(golden_dir("vision"), &Default::default()).unwrap();
+    let golden = vision_golden();
+    let tokens = ints(&golden["prompt"]);
+    let want = &golden["logits"];
+    let images = prompt_features(model.as_ref());
+    let t = tokens.len() as i32;
+    let mut caches = model.fresh_caches().unwrap();
+    let full = model
+        .forward_multimodal(&tokens, &images, &mut caches, Rows::All)
+        .unwrap()
+        .reshape(&[t, -1])
+        .unwrap();
+    let d = max_diff(&full, want);
+    assert!(d <= 1e-4, "one window differs by {d}");
+    let want_last = want.slice(&[t - 1, 0], &[t, 512], &[1, 1]).unwrap();
+    for step in [4, 7] {
+        let mut caches = model.fresh_caches().unwrap();
+        let last = prefill_multimodal(model.as_ref(), &mut caches, &tokens, &images, step).unwrap();
+        let d = max_diff(&last, &want_last);
+        assert!(d <= 1e-4, "chunks of {step}: {d}");
+    }
+    let request =
+        GenerateRequest { images: images.clone(), ..GenerateRequest::new(tokens.clone(), 48) };
+    let mut caches = model.fresh_caches().unwrap();
+    let reply = generate(model.as_ref(), &mut caches, &request, |_| Flow::Continue).unwrap();
+    assert_eq!(reply.tokens, ints(&golden["greedy"]), "greedy after the image");
+}
+
+/// The image in a later turn: the text before it cached first (one window, then decode
+/// steps), the image's window appended at offset 9, gives the one-shot prompt's logits.
+#[test]
+fn an_image_in_a_later_turn_reads_like_the_one_shot_prompt() {
+    let model = engine::registry::load_model(golden_dir("vision"), &Default::default()).unwrap();
+    let golden = vision_golden();
+    let tokens = ints(&golden["prompt"]);
+    let want = &golden["logits"];
+    let images = prompt_features(model.as_ref());
+    let mut caches = model.fresh_caches().unwrap();
+    let ids = |t: &[u32]| engine::tokens::ids(t).unwrap();
+    let mut rows = vec![
+        model.forward_rows(&ids(&tokens[..6]), &mut caches, Phase::Window, Rows::All).unwrap(),
+    ];
+    for &t in &tokens[6..8] {
+        rows.push(model.forward(&ids(&[t]), &mut caches, Phase::Decode).unwrap());
+    }
+    rows.push(model.forward_multimodal(&tokens[8..], &images, &mut caches, Rows::All).unwrap());
+    let all = mlx::ops::concatenate(&rows.iter().collect::<Vec<_>>(), 1).unwrap();
+    let d = max_diff(&all.reshape(&[tokens.len() as i32, -1]).unwrap(), want);
+    assert!(d <= 1e-4, "later image turn differs by {d}");
+}
+
+/// A conversation with an image, checkpointed after its first turn, continues after a restart
+/// (a fresh model, the checkpoint restored: the image's position shift with it) with the cold
+/// run's tokens, plainly and with prompt lookup.
+#[test]
+fn image_conversations_resume_from_checkpoints_as_cold_runs() {
+    let dir = golden_dir("vision");
+    let tmp = tempfile::tempdir().unwrap();
+    let load_chat = || ChatModel::load(&dir, &engine::LoadOptions::default()).unwrap();
+    let mut drafters = Drafters::new(engine::LoadOptions::default());
+    let golden = vision_golden();
+    let image = image_path("rgb_640x480.png");
+    let first = ints(&golden["prompt"]);
+    let turn1 = Turn {
+        max_tokens: 8,
+        max_soft_tokens: 64,
+        checkpoint_to: Some(tmp.path().join("turn1.safetensors")),
+        ..Turn::new(Prompt::Tokens { ids: first, images: vec![image.clone()] })
+    };
+    let one = load_chat().answer(&turn1, &mut drafters, |_| Flow::Continue).unwrap();
+    assert_eq!(one.tokens, ints(&golden["greedy"])[..8], "the first turn is mlx-vlm's greedy");
+    let checkpoint = one.checkpoint.expect("the first turn's checkpoint");
+    assert!(checkpoint.file.signature.ends_with("rope_positions"), "{}", checkpoint.file.signature);
+    let mut second = checkpoint.tokens.clone();
+    second.extend([41, 97, 203, 7, 350, 41, 97, 203]);
+    let prompt = Prompt::Tokens { ids: second, images: vec![image] };
+    let turn2 = Turn { max_tokens: 16, max_soft_tokens: 64, ..Turn::new(prompt) };
+    let cold = load_chat().answer(&turn2, &mut drafters, |_| Flow::Continue).unwrap();
+    assert_eq!(cold.stats.reused_tokens, 0);
+    let candidate = ResumeCandidate {
+        id: 5,
+        path: checkpoint.file.path.clone(),
+        sha256: checkpoint.file.sha256.clone(),
+        tokens: checkpoint.tokens.clone(),
+        signature: Some(checkpoint.file.signature.clone()),
+    };
+    for speculation in [Speculation::Off, Speculation::Lookup] {
+        let warm = load_chat()
+            .answer(
+                &Turn {
+                    resume: vec![candidate.clone()],
+                    speculation: speculation.clone(),
+                    ..turn2.clone()
+                },
+                &mut drafters,
+                |_| Flow::Continue,
+            )
+            .unwrap();
+        assert_eq!(warm.resumed_from, Some(5), "{speculation:?}");
+        assert_eq!(warm.stats.reused_tokens, checkpoint.tokens.len(), "{speculation:?}");
+        assert_eq!(warm.tokens, cold.tokens, "{speculation:?}: resumed = cold");
     }
 }

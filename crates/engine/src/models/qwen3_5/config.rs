@@ -176,6 +176,16 @@ impl TextConfig {
         (f64::from(self.head_dim()) * factor) as i32
     }
 
+    /// Rotary frequency pairs turned by time, row and column positions (multimodal rope;
+    /// mlx-vlm's default where the config has none).
+    pub fn mrope_section(&self) -> [i32; 3] {
+        self.rope_parameters
+            .as_ref()
+            .and_then(|r| r.mrope_section.as_deref())
+            .and_then(|s| <[i32; 3]>::try_from(s).ok())
+            .unwrap_or([11, 11, 10])
+    }
+
     /// Whether the layers have routed experts.
     pub fn is_moe(&self) -> bool {
         self.num_experts > 0

@@ -19,6 +19,15 @@ pub(super) enum Append {
     Decode,
 }
 
+/// Where a pass's positions are rotated to: consecutive positions from one start (text, the
+/// fast rope), or explicit cosines and sines `[1, 1, T, rotary_dims]` of each position's
+/// multimodal angles (a window holding an image).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum RopeAt<'a> {
+    Start(i32),
+    Table { cos: &'a Array, sin: &'a Array },
+}
+
 /// Gated full attention: `q_proj` gives queries and an output gate per head, q/k norms,
 /// partial rope, and `o_proj(attention ⊙ σ(gate))`.
 #[derive(Debug, Clone)]
@@ -69,12 +78,12 @@ impl Attention {
         x: &Array,
         cache: &mut dyn AttentionCache,
         append: Append,
+        rope_at: RopeAt<'_>,
         ops: &Ops,
     ) -> Result<Array> {
         let s = x.shape();
         let (b, l) = (s[0], s[1]);
         let d = self.head_dim;
-        let offset = cache.offset() as i32;
         let joined = self.q_proj.forward(x, ops)?.reshape(&[b, l, self.heads, 2 * d])?;
         let queries = joined.slice(&[0, 0, 0, 0], &[b, l, self.heads, d], &[1; 4])?;
         let gate = joined.slice(&[0, 0, 0, d], &[b, l, self.heads, 2 * d], &[1; 4])?.reshape(&[
@@ -90,14 +99,17 @@ impl Attention {
         let queries = self.q_norm.forward(&queries)?.transpose(&[0, 2, 1, 3])?;
         let keys = self.k_norm.forward(&keys)?.transpose(&[0, 2, 1, 3])?;
         let rope = |x: &Array| -> Result<Array> {
-            ops.rope(
-                x,
-                self.rotary_dims,
-                false,
-                RopeFrequencies::Base(self.rope_theta),
-                1.0,
-                RopeOffset::Fixed(offset),
-            )
+            match rope_at {
+                RopeAt::Start(start) => ops.rope(
+                    x,
+                    self.rotary_dims,
+                    false,
+                    RopeFrequencies::Base(self.rope_theta),
+                    1.0,
+                    RopeOffset::Fixed(start),
+                ),
+                RopeAt::Table { cos, sin } => rotate_table(x, self.rotary_dims, cos, sin),
+            }
         };
         let (queries, keys) = (rope(&queries)?, rope(&keys)?);
         let read = match append {
@@ -108,6 +120,24 @@ impl Attention {
         let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, self.heads * d])?;
         self.o_proj.forward(&out.multiply(&gate.sigmoid()?)?, ops)
     }
+}
+
+/// `x` `[B, H, T, D]` with its first `dims` rotated by `cos` and `sin` (`[1, 1, T, dims]`) as
+/// mlx-vlm applies multimodal rope: `x·cos + rotate_half(x)·sin` in the table's dtype, cast
+/// back, the rest of each head passed through.
+fn rotate_table(x: &Array, dims: i32, cos: &Array, sin: &Array) -> Result<Array> {
+    let s = x.shape();
+    let (b, h, t, d) = (s[0], s[1], s[2], s[3]);
+    let rot = x.slice(&[0, 0, 0, 0], &[b, h, t, dims], &[1; 4])?;
+    let rotated = rot
+        .multiply(cos)?
+        .add(&super::vision::rotate_half(&rot)?.multiply(sin)?)?
+        .astype(x.dtype())?;
+    if dims == d {
+        return Ok(rotated);
+    }
+    let pass = x.slice(&[0, 0, 0, dims], &[b, h, t, d], &[1; 4])?;
+    Ok(mlx::ops::concatenate(&[&rotated, &pass], -1)?)
 }
 
 /// A gated DeltaNet block: its projections, the recurrence weights it lends the cache, and

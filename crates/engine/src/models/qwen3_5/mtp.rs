@@ -21,7 +21,7 @@ use mlx::{Array, ops};
 use serde_json::Value;
 
 use super::config::TextConfig;
-use super::layers::{Append, NormLoader};
+use super::layers::{Append, NormLoader, RopeAt};
 use super::text::Layer;
 use crate::backend::Ops;
 use crate::cache::{Cache, CachePlan, KvShape, Storage};
@@ -127,7 +127,9 @@ impl Qwen35Mtp {
         let mut h = self.fc.forward(&joined, &self.ops)?;
         let append = if tokens.len() == 1 { Append::Decode } else { Append::Window };
         for (i, (layer, cache)) in self.layers.iter().zip(self.caches.iter_mut()).enumerate() {
-            h = layer.forward(i, &h, cache.as_mut(), append, &self.ops)?;
+            // The head's own positions: its cache's offset (as mlx-vlm's drafter rotates).
+            let start = RopeAt::Start(cache.offset() as i32);
+            h = layer.forward(i, &h, cache.as_mut(), append, start, &self.ops)?;
         }
         self.norm.forward(&h)
     }

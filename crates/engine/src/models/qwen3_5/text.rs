@@ -7,14 +7,17 @@ use mlx::Array;
 use serde_json::Value;
 
 use super::config::TextConfig;
-use super::layers::{Append, Attention, DeltaNet, Mlp, Moe, NormLoader, wrong_cache};
+use super::layers::{Append, Attention, DeltaNet, Mlp, Moe, NormLoader, RopeAt, wrong_cache};
+use super::processor::{ImageSettings, QwenImages};
+use super::vision::{QwenVision, VisionConfig};
 use crate::backend::Ops;
-use crate::cache::{Cache, CachePlan, KvShape, Storage};
+use crate::cache::{Cache, CachePlan, KvShape, PositionCache, Storage};
 use crate::checkpoint::{ModelDir, Weights};
 use crate::error::{Error, Result};
 use crate::models::{Model, Phase, RecurrentMtpRows, Rows};
 use crate::nn::{Embedding, Linear, RmsNorm};
 use crate::options::LoadOptions;
+use crate::vision::Vision;
 
 #[derive(Debug, Clone)]
 enum Mixer {
@@ -77,6 +80,7 @@ impl Layer {
         h: &Array,
         cache: &mut dyn Cache,
         append: Append,
+        rope_at: RopeAt<'_>,
         ops: &Ops,
     ) -> Result<Array> {
         let normed = self.input_layernorm.forward(h)?;
@@ -86,7 +90,7 @@ impl Layer {
                 let cache = cache
                     .as_attention_mut()
                     .ok_or_else(|| wrong_cache(i, "full attention", &signature))?;
-                attention.forward(&normed, cache, append, ops)?
+                attention.forward(&normed, cache, append, rope_at, ops)?
             }
             Mixer::Delta(delta) => {
                 let cache = cache
@@ -135,6 +139,9 @@ pub struct Qwen35Text {
     /// The final-normed hidden rows of every forward pass since a drafter last took them, each
     /// with its first row's position, while one keeps them (`None`: not kept).
     kept_hidden: RefCell<Option<Vec<(usize, Array)>>>,
+    /// The vision tower with its preprocessing, on a checkpoint that has one. Its caches then
+    /// end with a [`PositionCache`] (where positions stand after the images).
+    images: Option<QwenImages>,
 }
 
 impl Qwen35Text {
@@ -164,6 +171,7 @@ impl Qwen35Text {
         let layers = (0..config.num_hidden_layers)
             .map(|i| Layer::load(&w, &config, &format!("layers.{i}."), config.is_linear(i), norms))
             .collect::<Result<Vec<_>>>()?;
+        let images = load_images(dir, &config, &ops)?;
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
@@ -178,12 +186,18 @@ impl Qwen35Text {
             ops,
             config,
             kept_hidden: RefCell::new(None),
+            images,
         })
     }
 
     /// The config it was built from.
     pub fn config(&self) -> &TextConfig {
         &self.config
+    }
+
+    /// The vision tower and its preprocessing, on a checkpoint that has one.
+    pub fn images(&self) -> Option<&QwenImages> {
+        self.images.as_ref()
     }
 
     fn head(&self, h: &Array) -> Result<Array> {
@@ -196,56 +210,48 @@ impl Qwen35Text {
     fn dtype_bytes(&self) -> usize {
         self.norm.weight().map_or(4, |w| w.dtype().size())
     }
-}
 
-/// Whether the checkpoint is in Hugging Face's layout: its convolution kernels are stored
-/// `[C, 1, K]` (mlx-lm's own test for its sanitize).
-fn hf_layout(dir: &ModelDir, config: &TextConfig) -> bool {
-    dir.tensors.iter().any(|(name, t)| {
-        name.ends_with("conv1d.weight")
-            && t.dim(-1).ok() != Some(1)
-            && config.linear_conv_kernel_dim != 1
-    })
-}
-
-impl Model for Qwen35Text {
-    fn ops(&self) -> &Ops {
-        &self.ops
-    }
-
-    fn cache_plan(&self) -> CachePlan {
-        let dtype_bytes = self.dtype_bytes();
-        let (storages, shapes) = self.layers.iter().map(|layer| layer.storage(dtype_bytes)).unzip();
-        CachePlan::new(storages, shapes)
-    }
-
-    fn new_caches(&self, plan: &CachePlan) -> Result<Vec<Box<dyn Cache>>> {
-        plan.build(&self.ops, self.layers.len())
-    }
-
-    fn forward_rows(
-        &self,
-        tokens: &Array,
-        caches: &mut [Box<dyn Cache>],
-        phase: Phase,
-        rows: Rows,
-    ) -> Result<Array> {
-        if caches.len() != self.layers.len() {
+    /// Checks the stack's length: one cache per layer, and a [`PositionCache`] after them on a
+    /// model with images.
+    fn check_caches(&self, caches: &[Box<dyn Cache>]) -> Result<()> {
+        let expected = self.layers.len() + usize::from(self.images.is_some());
+        if caches.len() != expected {
             return Err(Error::InvalidRequest(format!(
-                "Qwen3.5 needs {} caches, got {}",
-                self.layers.len(),
+                "Qwen3.5 needs {expected} caches, got {}",
                 caches.len()
             )));
         }
-        let append = match phase {
-            Phase::Window => Append::Window,
-            Phase::Decode => Append::Decode,
-        };
+        Ok(())
+    }
+
+    /// The stack's position cache (on a model with images).
+    fn positions<'c>(
+        &self,
+        caches: &'c mut [Box<dyn Cache>],
+    ) -> Result<Option<&'c mut PositionCache>> {
+        if self.images.is_none() {
+            return Ok(None);
+        }
+        let last = caches.last_mut().and_then(|c| c.as_positions_mut());
+        last.map(Some).ok_or_else(|| {
+            Error::InvalidRequest("Qwen3.5 with images needs a position cache last".into())
+        })
+    }
+
+    /// `h` `[B, T, H]` through every layer (appending with `append`, rotated at `rope_at`), then
+    /// the head over `rows`.
+    fn run(
+        &self,
+        mut h: Array,
+        caches: &mut [Box<dyn Cache>],
+        append: Append,
+        rope_at: RopeAt<'_>,
+        rows: Rows,
+    ) -> Result<Array> {
         let ops = &self.ops;
         let position = crate::cache::stack_offset(caches);
-        let mut h = self.embed_tokens.forward(tokens)?;
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
-            h = layer.forward(i, &h, cache.as_mut(), append, ops)?;
+            h = layer.forward(i, &h, cache.as_mut(), append, rope_at, ops)?;
         }
         // Passes that return every row (decode steps, verify windows, a prompt's last token)
         // keep them for a multi-token-prediction head; prefill chunks, which return only
@@ -265,6 +271,208 @@ impl Model for Qwen35Text {
         }
         let h = if kept { h } else { self.norm.forward(&h)? };
         self.head(&h)
+    }
+
+    /// Cosines and sines `[1, 1, T, rotary_dims]` (in `dtype`) of multimodal positions
+    /// `[time, row, column]` (`T` each), as mlx-vlm's interleaved MRoPE computes them: rotary
+    /// frequency `i` turns with the row position when `i % 3 == 1` and `i < 3·sections[1]`,
+    /// with the column when `i % 3 == 2` and `i < 3·sections[2]`, else with time.
+    fn mrope_table(&self, positions: &[Vec<i64>; 3], dtype: mlx::Dtype) -> Result<(Array, Array)> {
+        let dims = self.config.rotary_dims();
+        let freqs = (dims / 2) as usize;
+        let sections = self.config.mrope_section();
+        let axis = |i: usize| -> usize {
+            if i % 3 == 1 && i < 3 * sections[1] as usize {
+                1
+            } else if i % 3 == 2 && i < 3 * sections[2] as usize {
+                2
+            } else {
+                0
+            }
+        };
+        let t = positions[0].len();
+        let mut angles = Vec::with_capacity(t * freqs);
+        let axes: Vec<usize> = (0..freqs).map(axis).collect();
+        for (time, (row, col)) in positions[0].iter().zip(positions[1].iter().zip(&positions[2])) {
+            let at = [*time, *row, *col];
+            angles.extend(axes.iter().map(|&a| at[a] as f32));
+        }
+        // 1 / base^(arange(0, dims, 2) / dims), as mlx-vlm's compute_inv_freq.
+        let exponents = mlx::ops::arange(0.0, f64::from(dims), 2.0, mlx::Dtype::Float32)?
+            .divide(&Array::scalar(dims as f32)?)?;
+        let inv_freq =
+            Array::scalar(self.config.rope_theta() as f32)?.power(&exponents)?.reciprocal()?;
+        let angles = Array::from_slice(&angles, &[t as i32, freqs as i32])?
+            .multiply(&inv_freq.reshape(&[1, -1])?)?;
+        let emb =
+            mlx::ops::concatenate(&[&angles, &angles], -1)?.reshape(&[1, 1, t as i32, dims])?;
+        Ok((emb.cos()?.astype(dtype)?, emb.sin()?.astype(dtype)?))
+    }
+}
+
+/// The vision tower of a checkpoint that has one (`vision_config` and the tower's weights in
+/// mlx-vlm's layout, `vision_tower.*`, or Hugging Face's, `model.visual.*`).
+fn load_images(dir: &ModelDir, config: &TextConfig, ops: &Ops) -> Result<Option<QwenImages>> {
+    let Some(v) = dir.config.get("vision_config").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let Some(prefix) = ["vision_tower.", "model.visual."]
+        .into_iter()
+        .find(|p| dir.tensors.contains_key(&format!("{p}patch_embed.proj.weight")))
+    else {
+        return Ok(None);
+    };
+    let vc: VisionConfig = serde_json::from_value(v.clone()).map_err(|e| Error::Config {
+        file: "config.json".into(),
+        message: format!("vision_config: {e}"),
+    })?;
+    let tower = QwenVision::load(&dir.weights(prefix)?, vc, config.hidden_size, ops)?;
+    let settings = ImageSettings::read(&dir.path)?;
+    Ok(Some(QwenImages::new(tower, settings, &dir.config)))
+}
+
+/// Whether the checkpoint is in Hugging Face's layout: its convolution kernels are stored
+/// `[C, 1, K]` (mlx-lm's own test for its sanitize).
+fn hf_layout(dir: &ModelDir, config: &TextConfig) -> bool {
+    dir.tensors.iter().any(|(name, t)| {
+        name.ends_with("conv1d.weight")
+            && t.dim(-1).ok() != Some(1)
+            && config.linear_conv_kernel_dim != 1
+    })
+}
+
+impl Model for Qwen35Text {
+    fn ops(&self) -> &Ops {
+        &self.ops
+    }
+
+    fn cache_plan(&self) -> CachePlan {
+        let dtype_bytes = self.dtype_bytes();
+        let (mut storages, mut shapes): (Vec<_>, Vec<_>) =
+            self.layers.iter().map(|layer| layer.storage(dtype_bytes)).unzip();
+        if self.images.is_some() {
+            storages.push(Storage::positions());
+            shapes.push(KvShape { kv_heads: 0, head_dim: 0, dtype_bytes });
+        }
+        CachePlan::new(storages, shapes)
+    }
+
+    fn new_caches(&self, plan: &CachePlan) -> Result<Vec<Box<dyn Cache>>> {
+        plan.build(&self.ops, self.layers.len() + usize::from(self.images.is_some()))
+    }
+
+    fn forward_rows(
+        &self,
+        tokens: &Array,
+        caches: &mut [Box<dyn Cache>],
+        phase: Phase,
+        rows: Rows,
+    ) -> Result<Array> {
+        self.check_caches(caches)?;
+        let append = match phase {
+            Phase::Window => Append::Window,
+            Phase::Decode => Append::Decode,
+        };
+        let length = tokens.dim(1)? as usize;
+        let start = match self.positions(caches)? {
+            Some(p) => p.next_position(),
+            None => crate::cache::stack_offset(caches) as i64,
+        };
+        let h = self.embed_tokens.forward(tokens)?;
+        let logits = self.run(h, caches, append, RopeAt::Start(start as i32), rows)?;
+        if let Some(p) = self.positions(caches)? {
+            p.advance(length);
+        }
+        Ok(logits)
+    }
+
+    fn vision(&self) -> Option<&dyn Vision> {
+        self.images.as_ref().map(|i| i as &dyn Vision)
+    }
+
+    /// Image features replace the image tokens' embeddings; each image's soft tokens take
+    /// positions on its grid (`[rows, cols, hidden]` features), from where the text before it
+    /// stands, and the text after it continues from the image's largest position plus one
+    /// (mlx-vlm's `get_rope_index`).
+    fn forward_multimodal(
+        &self,
+        tokens: &[u32],
+        images: &[Array],
+        caches: &mut [Box<dyn Cache>],
+        rows: Rows,
+    ) -> Result<Array> {
+        let Some(vision) = &self.images else {
+            return Err(Error::InvalidRequest("this model does not take images".into()));
+        };
+        self.check_caches(caches)?;
+        let length = tokens.len();
+        let ids = Array::from_slice(tokens, &[1, length as i32])?;
+        let runs = crate::generate::image_runs(tokens, vision.image_token());
+        if runs.len() != images.len() {
+            return Err(Error::InvalidRequest(format!(
+                "the prompt has {} image blocks but {} images were given",
+                runs.len(),
+                images.len()
+            )));
+        }
+        if runs.is_empty() {
+            return self.forward_rows(&ids, caches, Phase::Window, rows);
+        }
+        let embedded = self.embed_tokens.forward(&ids)?;
+        let hidden = embedded.dim(-1)?;
+        let text = |from: usize, to: usize| -> Result<Array> {
+            Ok(embedded.slice(&[0, from as i32, 0], &[1, to as i32, hidden], &[1, 1, 1])?)
+        };
+        let mut pieces = Vec::new();
+        let mut positions: [Vec<i64>; 3] = Default::default();
+        let mut next = self.positions(caches)?.map_or(0, |p| p.next_position());
+        let mut at = 0;
+        let text_run = |positions: &mut [Vec<i64>; 3], next: &mut i64, n: usize| {
+            for _ in 0..n {
+                for axis in positions.iter_mut() {
+                    axis.push(*next);
+                }
+                *next += 1;
+            }
+        };
+        for (i, (&(start, len), features)) in runs.iter().zip(images).enumerate() {
+            let s = features.shape();
+            let (grid_rows, grid_cols) = match s.as_slice() {
+                [r, c, h] if (r * c) as usize == len && *h == hidden => (*r, *c),
+                _ => {
+                    return Err(Error::InvalidRequest(format!(
+                        "image {} has features of shape {s:?} but its block in the prompt has                          {len} soft tokens of width {hidden}",
+                        i + 1
+                    )));
+                }
+            };
+            if start > at {
+                pieces.push(text(at, start)?);
+                text_run(&mut positions, &mut next, start - at);
+            }
+            pieces.push(features.reshape(&[1, len as i32, hidden])?.astype(embedded.dtype())?);
+            for r in 0..i64::from(grid_rows) {
+                for c in 0..i64::from(grid_cols) {
+                    positions[0].push(next);
+                    positions[1].push(next + r);
+                    positions[2].push(next + c);
+                }
+            }
+            next += i64::from(grid_rows.max(grid_cols));
+            at = start + len;
+        }
+        if at < length {
+            pieces.push(text(at, length)?);
+            text_run(&mut positions, &mut next, length - at);
+        }
+        let h = mlx::ops::concatenate(&pieces.iter().collect::<Vec<_>>(), 1)?;
+        let (cos, sin) = self.mrope_table(&positions, embedded.dtype())?;
+        let logits =
+            self.run(h, caches, Append::Window, RopeAt::Table { cos: &cos, sin: &sin }, rows)?;
+        if let Some(p) = self.positions(caches)? {
+            p.advance_to(length, next);
+        }
+        Ok(logits)
     }
 
     fn decode_weight_bytes(&self) -> usize {
