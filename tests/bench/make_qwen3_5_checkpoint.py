@@ -4,7 +4,12 @@ bf16 (A_log and dt_bias as mlx-lm initialises them), optionally affine-quantized
 through mlx-lm's own quantize_model, and saved with mlx-lm's save_model/save_config, so both
 engines load exactly the same files.
 
-Usage: python tests/bench/make_qwen3_5_checkpoint.py --dims 9b --bits 4 --out DIR
+With --mtp-out DIR it also writes a one-layer multi-token-prediction head at the same
+dimensions (mlx-vlm's `qwen3_5_mtp` drafter, MLX's default init in bf16), for timing what the
+head costs (`quince bench-spec --drafter DIR`): on random weights its drafts are almost never
+accepted.
+
+Usage: python tests/bench/make_qwen3_5_checkpoint.py --dims 9b --bits 4 --out DIR [--mtp-out DIR]
 """
 
 import argparse
@@ -13,6 +18,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.qwen3_5 import Model, ModelArgs
 from mlx_lm.utils import quantize_model, save_config, save_model
 
@@ -55,6 +61,7 @@ def main() -> None:
     parser.add_argument("--dims", choices=sorted(DIMS), default="9b")
     parser.add_argument("--bits", type=int, default=4, help="0 keeps bf16")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--mtp-out", help="also write an MTP head here")
     args = parser.parse_args()
     start = time.perf_counter()
     config = config_for(args.dims)
@@ -73,6 +80,27 @@ def main() -> None:
     save_config(config, out / "config.json")
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out} ({size / 2**30:.2f} GiB) in {time.perf_counter() - start:.1f} s")
+    if args.mtp_out:
+        write_mtp(config_for(args.dims), Path(args.mtp_out))
+
+
+def write_mtp(config: dict, out: Path) -> None:
+    """A one-layer MTP head for the target of `config`, as mlx-vlm's splitter writes one:
+    model_type qwen3_5_mtp, the target's text_config, block size 4."""
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import ModelConfig as MtpConfig
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import Qwen3_5MTPDraftModel
+    text = dict(config["text_config"], mtp_num_hidden_layers=1)
+    cfg = {"model_type": "qwen3_5_mtp", "text_config": text, "block_size": 4}
+    drafter = Qwen3_5MTPDraftModel(MtpConfig.from_dict(json.loads(json.dumps(cfg))))
+    drafter.set_dtype(mx.bfloat16)
+    weights = dict(sorted(tree_flatten(drafter.parameters())))
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in weights}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    size = (out / "model.safetensors").stat().st_size
+    print(f"wrote {out} ({size / 2**30:.2f} GiB)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@
 //! - `zero_acceptance`: tok/s of speculative decoding with a method whose drafts are never the
 //!   target's picks, over plain decoding (the overhead of speculating for nothing);
 //! - `draft_equals_target`: tok/s with the model drafting for itself (every draft accepted: the
-//!   upper bound of a draft model's gain, paid with the draft's own steps) over plain decoding.
+//!   upper bound of a draft model's gain, paid with the draft's own steps) over plain decoding;
+//! - `drafter` (with `--drafter DIR`): tok/s with that drafter (a draft model, a Gemma 4
+//!   assistant or a Qwen3.5 MTP head) over plain decoding, and what it got accepted; on random
+//!   weights its drafts are almost never right, so this is its overhead.
 
 use std::time::Instant;
 
@@ -40,6 +43,9 @@ pub struct Args {
     /// Drafts per round in the speed runs.
     #[arg(long, default_value_t = 4)]
     num_draft: usize,
+    /// A drafter folder to time as well (its `model_type` picks the method).
+    #[arg(long)]
+    drafter: Option<std::path::PathBuf>,
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -149,10 +155,19 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         anyhow::Ok((reply.stats.decode_tok_s, stats))
     };
     let mut self_draft = DraftModel::new(engine::registry::load_model(&args.model, &options)?);
+    let mut drafter = match &args.drafter {
+        Some(dir) => Some(engine::registry::load_drafter(dir, &options)?),
+        None => None,
+    };
     // Warm-up of every path, then alternating timed runs.
     plain(model.as_ref())?;
     spec(model.as_ref(), &mut NeverRight, true)?;
     spec(model.as_ref(), &mut self_draft, false)?;
+    if let Some(d) = drafter.as_mut() {
+        spec(model.as_ref(), d.as_mut(), true)?;
+    }
+    let mut drafter_runs = Vec::new();
+    let mut drafter_stats = Default::default();
     let (mut plain_runs, mut never_runs, mut never_fixed_runs, mut self_runs) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let runs = (args.repeats / 4).max(3);
@@ -167,7 +182,13 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let (tok_s, stats) = spec(model.as_ref(), &mut self_draft, false)?;
         self_runs.push(tok_s);
         self_stats = stats;
+        if let Some(d) = drafter.as_mut() {
+            let (tok_s, stats) = spec(model.as_ref(), d.as_mut(), true)?;
+            drafter_runs.push(tok_s);
+            drafter_stats = stats;
+        }
     }
+    let drafter_tok_s = (!drafter_runs.is_empty()).then(|| median(drafter_runs));
     let plain_tok_s = median(plain_runs);
     let never_tok_s = median(never_runs);
     let never_fixed_tok_s = median(never_fixed_runs);
@@ -200,6 +221,16 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         self_stats.proposed,
         self_stats.rounds
     );
+    if let (Some(tok_s), Some(dir)) = (drafter_tok_s, &args.drafter) {
+        println!(
+            "  drafter                {tok_s:8.1} tok/s   {:.2}x plain; accepted {}/{} in {} rounds ({})",
+            tok_s / plain_tok_s,
+            drafter_stats.accepted,
+            drafter_stats.proposed,
+            drafter_stats.rounds,
+            dir.display()
+        );
+    }
     if args.json {
         let line = json!({
             "model": args.model.display().to_string(),
@@ -224,6 +255,14 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 "proposed": self_stats.proposed,
                 "rounds": self_stats.rounds,
             },
+            "drafter": drafter_tok_s.map(|tok_s| json!({
+                "path": args.drafter.as_ref().map(|d| d.display().to_string()),
+                "tok_s": tok_s,
+                "speedup": tok_s / plain_tok_s,
+                "accepted": drafter_stats.accepted,
+                "proposed": drafter_stats.proposed,
+                "rounds": drafter_stats.rounds,
+            })),
         });
         println!("{line}");
     }

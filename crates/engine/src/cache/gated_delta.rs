@@ -93,6 +93,20 @@ pub trait GatedDeltaCache: Cache {
         b: &Array,
         layer: &dyn GatedDeltaLayer,
     ) -> Result<Array>;
+    /// `S` positions per row of which the first `left_pad[r]` of row `r` are padding (rows
+    /// right-justified, as a batch's prefill cohort holds them): padded positions change
+    /// neither state, each row's convolution reads its stored tail right before its first
+    /// real position and its next tail ends at its last real position. Outputs at padded
+    /// positions are unspecified. The offset advances by `S` (the batch's positions; each
+    /// row's own count is its layout's). Not inside a speculative round.
+    fn recur_window_padded(
+        &mut self,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
+        left_pad: &[usize],
+        layer: &dyn GatedDeltaLayer,
+    ) -> Result<Array>;
 }
 
 /// The inputs of the recurrence for some positions, as a round keeps them for a replay.
@@ -161,6 +175,67 @@ impl RecurrentCache {
         if let Some(round) = &mut self.round {
             round.calls.push(steps);
         }
+        self.conv = Some(self.tail_of(&input)?);
+        self.state = Some(state);
+        self.offset += length;
+        Ok(y)
+    }
+
+    /// [`GatedDeltaCache::recur_window_padded`].
+    fn append_padded(
+        &mut self,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
+        left_pad: &[usize],
+        layer: &dyn GatedDeltaLayer,
+    ) -> Result<Array> {
+        if self.round.is_some() {
+            return Err(round_error("no padded window inside a round"));
+        }
+        let length = self.check(qkv, a, b, false)?;
+        let batch = qkv.dim(0)?;
+        if left_pad.len() != batch as usize || left_pad.iter().any(|&p| p > length) {
+            return Err(Error::InvalidRequest(format!(
+                "left padding {left_pad:?} for {batch} rows of {length} positions"
+            )));
+        }
+        if let Some(conv) = self.conv.as_ref().filter(|c| c.dim(0).ok() != Some(batch)) {
+            return Err(Error::InvalidRequest(format!(
+                "a gated DeltaNet cache of {} rows appended {batch}",
+                conv.dim(0)?
+            )));
+        }
+        // Each row's convolution input: its padding (zeros), its stored tail, its real rows.
+        let unpadded = self.conv_input(qkv)?;
+        let tail = (self.shape.kernel - 1) as i32;
+        let channels = self.shape.conv_dim() as i32;
+        let s = length as i32;
+        let rows = (0..batch)
+            .map(|r| -> Result<Array> {
+                let pad = left_pad[r as usize] as i32;
+                let row = unpadded.slice(&[r, 0, 0], &[r + 1, tail + s, channels], &[1, 1, 1])?;
+                if pad == 0 {
+                    return Ok(row);
+                }
+                let stored = row.slice(&[0, 0, 0], &[1, tail, channels], &[1, 1, 1])?;
+                let real = row.slice(&[0, tail + pad, 0], &[1, tail + s, channels], &[1, 1, 1])?;
+                let zeros = ops::zeros(&[1, pad, channels], qkv.dtype())?;
+                Ok(ops::concatenate(&[&zeros, &stored, &real], 1)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let input = ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0)?;
+        let convolved = ops::conv1d(&input, layer.conv_weight(), 1, 0, 1, channels)?;
+        let heads = layer.heads(&convolved)?;
+        let mut steps = self.steps(qkv.clone(), heads, a, b, layer)?;
+        // At a padded position the state neither decays (g = 1) nor learns (β = 0).
+        let flags: Vec<bool> =
+            left_pad.iter().flat_map(|&p| (0..length).map(move |i| i < p)).collect();
+        let padded = Array::from_slice(&flags, &[batch, s, 1])?;
+        steps.g = ops::where_(&padded, &steps.g.scalar_like(1.0)?, &steps.g)?;
+        steps.beta = ops::where_(&padded, &steps.beta.scalar_like(0.0)?, &steps.beta)?;
+        let before = self.state_or_zeros(batch)?;
+        let (y, state) = recurrence(&steps, &before)?;
         self.conv = Some(self.tail_of(&input)?);
         self.state = Some(state);
         self.offset += length;
@@ -483,5 +558,16 @@ impl GatedDeltaCache for RecurrentCache {
         layer: &dyn GatedDeltaLayer,
     ) -> Result<Array> {
         self.append(qkv, a, b, layer, false)
+    }
+
+    fn recur_window_padded(
+        &mut self,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
+        left_pad: &[usize],
+        layer: &dyn GatedDeltaLayer,
+    ) -> Result<Array> {
+        self.append_padded(qkv, a, b, left_pad, layer)
     }
 }

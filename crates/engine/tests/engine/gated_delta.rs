@@ -229,3 +229,79 @@ fn state_restores_exactly_and_positions_cannot_be_trimmed() {
     assert!(other.restore(&saved).is_err(), "another geometry's state");
     assert!(RecurrentCache::new(SHAPE).state().is_err(), "an empty cache has no state");
 }
+
+fn row(x: &Array, r: i32) -> Array {
+    let s = x.shape();
+    let mut start = vec![0; s.len()];
+    let mut stop = s.clone();
+    start[0] = r;
+    stop[0] = r + 1;
+    x.slice(&start, &stop, &vec![1; s.len()]).unwrap()
+}
+
+/// Rows of a padded window (each right-justified behind its own left padding, after a shared
+/// prefix) hold, row by row, bit for bit what a cache of that row alone holds after appending
+/// only its real positions; their outputs at real positions and their next decode step read
+/// the same.
+fn padded_rows_match_solo_rows(prefix: usize, pads: &[usize], length: usize, seed: u64) {
+    let layer = Layer::new(seed);
+    let rows = pads.len() as i32;
+    let start = inputs(rows, prefix, seed + 10);
+    let window = inputs(rows, length, seed + 20);
+    let next = inputs(rows, 1, seed + 30);
+    let mut batch = RecurrentCache::new(SHAPE);
+    if prefix > 0 {
+        append(&mut batch, &start, 0, prefix, false, &layer);
+    }
+    let y = batch.recur_window_padded(&window.0, &window.1, &window.2, pads, &layer).unwrap();
+    let y_next = append(&mut batch, &next, 0, 1, true, &layer);
+    let state = batch.state().unwrap();
+    for (r, &pad) in pads.iter().enumerate() {
+        let r = r as i32;
+        let pick = |x: &(Array, Array, Array)| (row(&x.0, r), row(&x.1, r), row(&x.2, r));
+        let mut solo = RecurrentCache::new(SHAPE);
+        if prefix > 0 {
+            append(&mut solo, &pick(&start), 0, prefix, false, &layer);
+        }
+        if pad < length {
+            let ys = append(&mut solo, &pick(&window), pad, length, false, &layer);
+            let ours =
+                positions(&row(&y, r).reshape(&[1, length as i32, -1]).unwrap(), pad, length);
+            let want = ys.reshape(&[1, (length - pad) as i32, -1]).unwrap();
+            assert!(bitwise_equal(&ours, &want), "row {r} (pad {pad}): window outputs differ");
+        }
+        let solo_next = append(&mut solo, &pick(&next), 0, 1, true, &layer);
+        assert!(bitwise_equal(&row(&y_next, r), &solo_next), "row {r}: the next read differs");
+        let solo_state = solo.state().unwrap();
+        for key in ["conv", "recurrent"] {
+            assert!(
+                bitwise_equal(&row(&state.tensors[key], r), &solo_state.tensors[key]),
+                "row {r} (pad {pad}): {key} differs"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    #[test]
+    fn padded_positions_change_neither_state(prefix in 0usize..6, length in 1usize..9, pads in prop::collection::vec(0usize..12, 1..4), seed in 0u64..1000) {
+        let pads: Vec<usize> = pads.into_iter().map(|p| p.min(length)).collect();
+        padded_rows_match_solo_rows(prefix, &pads, length, seed);
+    }
+}
+
+/// A padded window is refused inside a round, and with padding that does not fit.
+#[test]
+fn padded_windows_are_refused_inside_rounds_and_when_they_do_not_fit() {
+    let layer = Layer::new(9);
+    let x = inputs(2, 4, 90);
+    let mut cache = RecurrentCache::new(SHAPE);
+    assert!(cache.recur_window_padded(&x.0, &x.1, &x.2, &[0], &layer).is_err(), "2 rows, 1 pad");
+    assert!(cache.recur_window_padded(&x.0, &x.1, &x.2, &[5, 0], &layer).is_err(), "pad > S");
+    cache.spec_round_begin().unwrap();
+    assert!(cache.recur_window_padded(&x.0, &x.1, &x.2, &[1, 0], &layer).is_err(), "in a round");
+    cache.spec_round_rollback(0).unwrap();
+    assert_eq!(cache.offset(), 0, "refusals leave the cache as it was");
+}
