@@ -439,6 +439,57 @@ fn image_prompts_through_the_cli_match_mlx_vlm() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("truncated.png"));
 }
 
+/// Qwen3.5 with an image through the CLI: `generate` gives mlx-vlm's greedy tokens, and
+/// `logits --incremental` (text a decode step at a time, the image block one window at offset
+/// 8) mlx-vlm's logits.
+#[test]
+fn qwen3_5_image_prompts_through_the_cli_match_mlx_vlm() {
+    let dir = root().join("tests/golden/qwen3_5/vision");
+    let golden = mlx::io::load_safetensors(dir.join("golden.safetensors")).unwrap().tensors;
+    let ints = |k: &str| -> Vec<u32> {
+        golden[k].to_vec::<i32>().unwrap().into_iter().map(|t| t as u32).collect()
+    };
+    let tokens = ints("prompt").iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let image = root().join("tests/golden/vision/images/rgb_640x480.png");
+    let out = quince()
+        .args(["generate", "--model"])
+        .arg(&dir)
+        .args(["--tokens", &tokens, "--image"])
+        .arg(&image)
+        .args(["--max-soft-tokens", "64", "--max-tokens", "12", "--ignore-eos", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let got: Vec<u32> =
+        json["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    assert_eq!(got, ints("greedy")[..12].to_vec());
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("logits.safetensors");
+    let out = quince()
+        .args(["logits", "--model"])
+        .arg(&dir)
+        .args(["--tokens", &tokens, "--image"])
+        .arg(&image)
+        .args(["--max-soft-tokens", "64", "--incremental", "--out"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let logits = mlx::io::load_safetensors(&file).unwrap().tensors["logits"].clone();
+    let diff = logits
+        .subtract(&golden["logits"])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all(false)
+        .unwrap()
+        .item::<f32>()
+        .unwrap();
+    assert!(diff <= 1e-4, "incremental image logits differ by {diff}");
+}
+
 #[test]
 fn the_untrained_demo_chats_through_the_real_template_with_and_without_images() {
     let dir = tempfile::tempdir().unwrap();
