@@ -159,12 +159,7 @@ impl RecurrentCache {
     ) -> Result<Array> {
         let length = self.check(qkv, a, b, decode)?;
         let batch = qkv.dim(0)?;
-        if let Some(conv) = self.conv.as_ref().filter(|c| c.dim(0).ok() != Some(batch)) {
-            return Err(Error::InvalidRequest(format!(
-                "a gated DeltaNet cache of {} rows appended {batch}",
-                conv.dim(0)?
-            )));
-        }
+        self.check_rows(batch)?;
         let input = self.conv_input(qkv)?;
         let channels = self.shape.conv_dim() as i32;
         let convolved = ops::conv1d(&input, layer.conv_weight(), 1, 0, 1, channels)?;
@@ -200,12 +195,7 @@ impl RecurrentCache {
                 "left padding {left_pad:?} for {batch} rows of {length} positions"
             )));
         }
-        if let Some(conv) = self.conv.as_ref().filter(|c| c.dim(0).ok() != Some(batch)) {
-            return Err(Error::InvalidRequest(format!(
-                "a gated DeltaNet cache of {} rows appended {batch}",
-                conv.dim(0)?
-            )));
-        }
+        self.check_rows(batch)?;
         // Each row's convolution input: its padding (zeros), its stored tail, its real rows.
         let unpadded = self.conv_input(qkv)?;
         let tail = (self.shape.kernel - 1) as i32;
@@ -303,6 +293,17 @@ impl RecurrentCache {
                 )?)
             }
         }
+    }
+
+    /// Refuses an append of another number of rows than the state holds.
+    fn check_rows(&self, batch: i32) -> Result<()> {
+        if let Some(conv) = self.conv.as_ref().filter(|c| c.dim(0).ok() != Some(batch)) {
+            return Err(Error::InvalidRequest(format!(
+                "a gated DeltaNet cache of {} rows appended {batch}",
+                conv.dim(0)?
+            )));
+        }
+        Ok(())
     }
 
     fn check(&self, qkv: &Array, a: &Array, b: &Array, decode: bool) -> Result<usize> {
