@@ -124,14 +124,57 @@ pub fn smart_resize(
     Ok((h_bar as u32, w_bar as u32))
 }
 
+/// An image's tokens in a prompt: `start`, `image` × soft tokens, `end`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageTokens {
+    /// The pad each soft token takes (`image_token_id`).
+    pub image: u32,
+    /// `vision_start_token_id`.
+    pub start: u32,
+    /// `vision_end_token_id`.
+    pub end: u32,
+}
+
+impl ImageTokens {
+    /// The block of an image of `soft_tokens`.
+    pub fn block(&self, soft_tokens: usize) -> Vec<u32> {
+        let mut block = vec![self.start];
+        block.extend(std::iter::repeat_n(self.image, soft_tokens));
+        block.push(self.end);
+        block
+    }
+
+    /// `tokens` with the i-th pad the chat template wrote repeated `soft_tokens[i]` times; an
+    /// error when it wrote another number of pads than images were given.
+    pub fn expand(&self, tokens: &[u32], soft_tokens: &[usize]) -> Result<Vec<u32>> {
+        let placed = tokens.iter().filter(|&&t| t == self.image).count();
+        if placed != soft_tokens.len() {
+            return Err(Error::InvalidRequest(format!(
+                "{} images were given but the chat template placed {placed}",
+                soft_tokens.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(tokens.len() + soft_tokens.iter().sum::<usize>());
+        let mut next = soft_tokens.iter();
+        for &t in tokens {
+            match next.clone().next() {
+                Some(&n) if t == self.image => {
+                    next.next();
+                    out.extend(std::iter::repeat_n(self.image, n));
+                }
+                _ => out.push(t),
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// The tower with the checkpoint's image token ids and preprocessing settings.
 #[derive(Debug)]
 pub struct QwenImages {
     tower: QwenVision,
     settings: ImageSettings,
-    image: u32,
-    start: u32,
-    end: u32,
+    tokens: ImageTokens,
 }
 
 impl QwenImages {
@@ -144,9 +187,11 @@ impl QwenImages {
         QwenImages {
             tower,
             settings,
-            image: id("image_token_id", 248_056),
-            start: id("vision_start_token_id", 248_045),
-            end: id("vision_end_token_id", 248_046),
+            tokens: ImageTokens {
+                image: id("image_token_id", 248_056),
+                start: id("vision_start_token_id", 248_045),
+                end: id("vision_end_token_id", 248_046),
+            },
         }
     }
 
@@ -211,36 +256,15 @@ impl Vision for QwenImages {
     }
 
     fn image_token(&self) -> u32 {
-        self.image
+        self.tokens.image
     }
 
     fn image_block(&self, soft_tokens: usize) -> Vec<u32> {
-        let mut block = vec![self.start];
-        block.extend(std::iter::repeat_n(self.image, soft_tokens));
-        block.push(self.end);
-        block
+        self.tokens.block(soft_tokens)
     }
 
     fn expand(&self, tokens: &[u32], soft_tokens: &[usize]) -> Result<Vec<u32>> {
-        let placed = tokens.iter().filter(|&&t| t == self.image).count();
-        if placed != soft_tokens.len() {
-            return Err(Error::InvalidRequest(format!(
-                "{} images were given but the chat template placed {placed}",
-                soft_tokens.len()
-            )));
-        }
-        let mut out = Vec::with_capacity(tokens.len() + soft_tokens.iter().sum::<usize>());
-        let mut next = soft_tokens.iter();
-        for &t in tokens {
-            match next.clone().next() {
-                Some(&n) if t == self.image => {
-                    next.next();
-                    out.extend(std::iter::repeat_n(self.image, n));
-                }
-                _ => out.push(t),
-            }
-        }
-        Ok(out)
+        self.tokens.expand(tokens, soft_tokens)
     }
 }
 
@@ -257,5 +281,17 @@ mod tests {
         // Scaled up to the minimum.
         assert_eq!(smart_resize(10, 10, 16, 1024, 16_384).unwrap(), (32, 32));
         assert!(smart_resize(4000, 10, 16, 1024, 16_384).is_err(), "aspect over 200");
+    }
+
+    #[test]
+    fn each_pad_the_template_writes_becomes_its_images_soft_tokens() {
+        let images = ImageTokens { image: 9, start: 7, end: 8 };
+        assert_eq!(
+            images.expand(&[1, 7, 9, 8, 2, 7, 9, 8], &[2, 3]).unwrap(),
+            [1, 7, 9, 9, 8, 2, 7, 9, 9, 9, 8]
+        );
+        assert!(images.expand(&[1, 7, 9, 8], &[2, 3]).is_err(), "two images, one slot");
+        assert!(images.expand(&[7, 9, 8, 7, 9, 8], &[2]).is_err(), "one image, two slots");
+        assert_eq!(images.block(3), [7, 9, 9, 9, 8]);
     }
 }
