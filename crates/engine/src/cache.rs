@@ -45,8 +45,10 @@
 //! [`RecurrentCache`] (a gated DeltaNet layer's convolution tail and recurrent state, which
 //! rounds roll back by replaying the kept positions), and beside them [`PositionCache`] (where
 //! a multimodal-RoPE model's positions stand after its images). Rows of a
-//! batch: [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]).
+//! batch: [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]), and
+//! [`RecurrentRows`], gated DeltaNet rows in one batch buffer.
 
+mod delta_rows;
 mod gated_delta;
 mod kv;
 mod plain;
@@ -62,6 +64,7 @@ use std::collections::BTreeMap;
 
 use mlx::Array;
 
+pub use delta_rows::RecurrentRows;
 pub use gated_delta::{DeltaHeads, DeltaShape, GatedDeltaCache, GatedDeltaLayer, RecurrentCache};
 pub(crate) use kv::Codec;
 pub use kv::{KvEncoding, KvFormat};

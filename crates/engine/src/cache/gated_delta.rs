@@ -123,6 +123,30 @@ struct Steps {
     beta: Array,
 }
 
+impl Steps {
+    /// Row `r` of every input.
+    fn row(&self, r: i32) -> Result<Steps> {
+        Ok(Steps {
+            qkv: batch_row(&self.qkv, r)?,
+            q: batch_row(&self.q, r)?,
+            k: batch_row(&self.k, r)?,
+            v: batch_row(&self.v, r)?,
+            g: batch_row(&self.g, r)?,
+            beta: batch_row(&self.beta, r)?,
+        })
+    }
+}
+
+/// Row `r` of `x` (its first axis), kept as a batch of one.
+pub(super) fn batch_row(x: &Array, r: i32) -> Result<Array> {
+    let s = x.shape();
+    let mut start = vec![0; s.len()];
+    let mut stop = s.clone();
+    start[0] = r;
+    stop[0] = r + 1;
+    Ok(x.slice(&start, &stop, &vec![1; s.len()])?)
+}
+
 /// What a round goes back to, and what it replays.
 #[derive(Debug)]
 struct Round {
@@ -147,6 +171,102 @@ impl RecurrentCache {
     /// An empty cache for a layer of `shape`.
     pub fn new(shape: DeltaShape) -> RecurrentCache {
         RecurrentCache { shape, conv: None, state: None, offset: 0, round: None }
+    }
+
+    /// A cache holding `conv` `[B, K − 1, conv_dim]` and `state` `[B, Hv, Dv, Dk]` (float32)
+    /// at `offset` (both absent: empty).
+    pub(super) fn from_parts(
+        shape: DeltaShape,
+        parts: Option<(Array, Array)>,
+        offset: usize,
+    ) -> RecurrentCache {
+        let (conv, state) = parts.unzip();
+        RecurrentCache { shape, conv, state, offset, round: None }
+    }
+
+    /// Its geometry.
+    pub(super) fn shape(&self) -> DeltaShape {
+        self.shape
+    }
+
+    /// Its convolution tail and state, `rows` rows of zeros (the tail in `dtype`) when it is
+    /// empty.
+    pub(super) fn parts_or_zeros(&self, rows: i32, dtype: Dtype) -> Result<(Array, Array)> {
+        let (tail, channels) = ((self.shape.kernel - 1) as i32, self.shape.conv_dim() as i32);
+        let conv = match &self.conv {
+            Some(conv) => conv.clone(),
+            None => ops::zeros(&[rows, tail, channels], dtype)?,
+        };
+        Ok((conv, self.state_or_zeros(rows)?))
+    }
+
+    /// Rows in its state (`None` while empty).
+    pub(super) fn rows(&self) -> Option<i32> {
+        self.conv.as_ref().and_then(|c| c.dim(0).ok())
+    }
+
+    /// Whether a round is armed.
+    pub(super) fn in_round(&self) -> bool {
+        self.round.is_some()
+    }
+
+    /// Resolves the armed round keeping the first `keeps[r]` of the positions it appended to
+    /// row `r`: each row is then bit for bit what appending only its kept positions leaves
+    /// (rows keeping everything keep their state; the others restore the round's and replay
+    /// their kept positions). The offset becomes the round's plus the most any row kept (the
+    /// batch's count; each row's own count is its layout's).
+    pub(super) fn spec_round_rollback_rows(&mut self, keeps: &[usize]) -> Result<()> {
+        let Some(round) = self.round.take() else {
+            return Err(round_error("rollback without a round"));
+        };
+        let appended = self.offset - round.offset;
+        let rows = self.rows().unwrap_or(0);
+        if keeps.len() != rows as usize || keeps.iter().any(|&k| k > appended) {
+            self.round = Some(round);
+            return Err(round_error(&format!(
+                "keep counts {keeps:?} for {rows} rows of {appended} appended positions"
+            )));
+        }
+        if let Some(&first) = keeps.first().filter(|&&k| keeps.iter().all(|&o| o == k)) {
+            self.round = Some(round);
+            return self.spec_round_rollback(first);
+        }
+        let dtype = round.calls.first().map_or(Dtype::Float32, |c| c.qkv.dtype());
+        let before = RecurrentCache::from_parts(
+            self.shape,
+            round.conv.clone().zip(round.state.clone()),
+            round.offset,
+        )
+        .parts_or_zeros(rows, dtype)?;
+        let (now_conv, now_state) = self.parts_or_zeros(rows, dtype)?;
+        let mut convs = Vec::with_capacity(keeps.len());
+        let mut states = Vec::with_capacity(keeps.len());
+        for (r, &keep) in keeps.iter().enumerate() {
+            let r = r as i32;
+            if keep == appended {
+                convs.push(batch_row(&now_conv, r)?);
+                states.push(batch_row(&now_state, r)?);
+                continue;
+            }
+            let (conv, state) = (batch_row(&before.0, r)?, batch_row(&before.1, r)?);
+            if keep == 0 {
+                convs.push(conv);
+                states.push(state);
+                continue;
+            }
+            let steps = kept(&round.calls, keep)?.row(r)?;
+            let input = ops::concatenate(&[&conv, &steps.qkv], 1)?;
+            let (_, state) = recurrence(&steps, &state)?;
+            convs.push(self.tail_of(&input)?);
+            states.push(state);
+        }
+        let join = |parts: &[Array]| -> Result<Array> {
+            Ok(ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?)
+        };
+        self.conv = Some(join(&convs)?);
+        self.state = Some(join(&states)?);
+        self.offset = round.offset + keeps.iter().copied().max().unwrap_or(0);
+        Ok(())
     }
 
     fn append(

@@ -5,7 +5,8 @@
 
 use engine::Result;
 use engine::cache::{
-    Cache, DeltaHeads, DeltaShape, GatedDeltaCache, GatedDeltaLayer, RecurrentCache,
+    Cache, DeltaHeads, DeltaShape, GatedDeltaCache, GatedDeltaLayer, Keep, RecurrentCache,
+    RecurrentRows,
 };
 use mlx::{Array, fast};
 use proptest::prelude::*;
@@ -304,4 +305,178 @@ fn padded_windows_are_refused_inside_rounds_and_when_they_do_not_fit() {
     assert!(cache.recur_window_padded(&x.0, &x.1, &x.2, &[1, 0], &layer).is_err(), "in a round");
     cache.spec_round_rollback(0).unwrap();
     assert_eq!(cache.offset(), 0, "refusals leave the cache as it was");
+}
+
+/// A request of the batching property: its prefix, when it joins, how many steps it stays.
+#[derive(Debug, Clone)]
+struct Request {
+    prefix: usize,
+    joins: usize,
+    stays: usize,
+}
+
+/// What the batch does at each step: a decode step, or a round of a window of `w` with
+/// per-row keeps drawn from these numbers.
+#[derive(Debug, Clone)]
+enum Step {
+    Decode,
+    Round { window: usize, keeps: Vec<usize> },
+}
+
+fn requests() -> impl Strategy<Value = Vec<Request>> {
+    prop::collection::vec(
+        (1usize..7, 0usize..4, 1usize..6).prop_map(|(prefix, joins, stays)| Request {
+            prefix,
+            joins,
+            stays,
+        }),
+        1..5,
+    )
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    prop::collection::vec(
+        prop_oneof![
+            Just(Step::Decode),
+            (1usize..5, prop::collection::vec(0usize..5, 5))
+                .prop_map(|(window, keeps)| Step::Round { window, keeps }),
+        ],
+        8..12,
+    )
+}
+
+/// Requests join a batch after their own prefill, decode and speculate together (each row
+/// keeping its own count) and leave: every decode read equals the row's own, and every row
+/// that leaves (and every row left at the end) holds bit for bit what the same request run
+/// alone holds.
+fn batched_rows_match_solo_requests(requests: &[Request], steps: &[Step], seed: u64) {
+    let layer = Layer::new(seed);
+    // Each request's own stream of positions, and its solo cache.
+    let streams: Vec<_> =
+        (0..requests.len()).map(|i| inputs(1, 64, seed + 100 * i as u64)).collect();
+    let mut solos: Vec<RecurrentCache> =
+        requests.iter().map(|_| RecurrentCache::new(SHAPE)).collect();
+    let mut at = vec![0usize; requests.len()];
+    let mut batch = RecurrentRows::new(SHAPE);
+    let mut active: Vec<usize> = Vec::new();
+    let mut stayed = vec![0usize; requests.len()];
+    let check = |solo: &RecurrentCache, row: &RecurrentCache, what: &str| {
+        assert_eq!(solo.offset(), row.offset(), "{what}: offsets");
+        assert!(same_state(solo, row), "{what}: state differs");
+    };
+    let stack = |rows: &[usize], at: &[usize], w: usize| -> (Array, Array, Array) {
+        let pick = |k: usize| -> Array {
+            let parts: Vec<Array> = rows
+                .iter()
+                .map(|&i| match k {
+                    0 => positions(&streams[i].0, at[i], at[i] + w),
+                    1 => positions(&streams[i].1, at[i], at[i] + w),
+                    _ => positions(&streams[i].2, at[i], at[i] + w),
+                })
+                .collect();
+            mlx::ops::concatenate(&parts.iter().collect::<Vec<_>>(), 0).unwrap()
+        };
+        (pick(0), pick(1), pick(2))
+    };
+    for (t, step) in steps.iter().enumerate() {
+        // Joins: each request prefills alone, then its cache joins the batch.
+        for (i, r) in requests.iter().enumerate() {
+            if r.joins == t {
+                append(&mut solos[i], &streams[i], 0, r.prefix, false, &layer);
+                let mut joining = RecurrentCache::new(SHAPE);
+                append(&mut joining, &streams[i], 0, r.prefix, false, &layer);
+                batch.merge_rows(vec![joining]).unwrap();
+                at[i] = r.prefix;
+                active.push(i);
+            }
+        }
+        if active.is_empty() {
+            continue;
+        }
+        match step {
+            Step::Decode => {
+                let x = stack(&active, &at, 1);
+                let y = batch.recur_decode(&x.0, &x.1, &x.2, &layer).unwrap();
+                for (r, &i) in active.iter().enumerate() {
+                    let own = append(&mut solos[i], &streams[i], at[i], at[i] + 1, true, &layer);
+                    assert!(
+                        bitwise_equal(&row(&y, r as i32), &own),
+                        "step {t}: row {r} reads otherwise"
+                    );
+                    at[i] += 1;
+                }
+            }
+            Step::Round { window, keeps } => {
+                let x = stack(&active, &at, *window);
+                batch.spec_round_begin().unwrap();
+                batch.recur_window(&x.0, &x.1, &x.2, &layer).unwrap();
+                let keeps: Vec<usize> = active
+                    .iter()
+                    .enumerate()
+                    .map(|(row, _)| keeps[row % keeps.len()].min(*window))
+                    .collect();
+                batch.spec_round_rollback(Keep::Each(&keeps)).unwrap();
+                for (&i, &k) in active.iter().zip(&keeps) {
+                    for p in at[i]..at[i] + k {
+                        append(&mut solos[i], &streams[i], p, p + 1, true, &layer);
+                    }
+                    at[i] += k;
+                }
+            }
+        }
+        assert_eq!(
+            batch.row_offsets(),
+            active.iter().map(|&i| solos[i].offset()).collect::<Vec<_>>(),
+            "step {t}: offsets"
+        );
+        // Leaves: requests whose stay is over leave as serial caches.
+        for i in active.clone() {
+            stayed[i] += 1;
+            if stayed[i] >= requests[i].stays {
+                let row = active.iter().position(|&a| a == i).unwrap();
+                let left = batch.extract_row(row).unwrap();
+                active.remove(row);
+                check(&solos[i], &left, &format!("request {i} leaving at step {t}"));
+            }
+        }
+    }
+    for &i in &active {
+        let left = batch.extract_row(0).unwrap();
+        check(&solos[i], &left, &format!("request {i} at the end"));
+    }
+    assert_eq!(batch.batch_size(), 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn batched_rows_hold_what_requests_hold_alone(requests in requests(), steps in steps(), seed in 0u64..1000) {
+        batched_rows_match_solo_requests(&requests, &steps, seed);
+    }
+}
+
+/// A prefill cohort: rows of different prompt lengths right-justified behind their padding
+/// join as one padded window; each row then holds its own prompt's state and offset.
+#[test]
+fn a_padded_prefill_cohort_holds_each_prompt_alone() {
+    let layer = Layer::new(21);
+    let lengths = [5usize, 2, 7];
+    let s = 7;
+    let x = inputs(3, s, 210);
+    let pads: Vec<usize> = lengths.iter().map(|l| s - l).collect();
+    let mut batch = RecurrentRows::new(SHAPE);
+    batch.merge_rows((0..3).map(|_| RecurrentCache::new(SHAPE)).collect()).unwrap();
+    batch.recur_window_padded(&x.0, &x.1, &x.2, &pads, &layer).unwrap();
+    assert_eq!(batch.row_offsets(), &lengths[..]);
+    for (r, &pad) in pads.iter().enumerate().rev() {
+        let mut solo = RecurrentCache::new(SHAPE);
+        let own = (row(&x.0, r as i32), row(&x.1, r as i32), row(&x.2, r as i32));
+        append(&mut solo, &own, pad, s, false, &layer);
+        let left = batch.extract_row(r).unwrap();
+        assert!(same_state(&solo, &left), "row {r}");
+    }
+    let mut other = RecurrentRows::new(DeltaShape { kernel: 3, ..SHAPE });
+    assert!(other.merge_rows(vec![RecurrentCache::new(SHAPE)]).is_err(), "another geometry");
+    assert!(batch.extract_row(0).is_err(), "no rows left");
 }
