@@ -176,15 +176,7 @@ fn logits_full_and_incremental_match_the_reference() {
         let logits = mlx::io::load_safetensors(&file).unwrap().tensors["logits"].clone();
         assert_eq!(logits.shape(), vec![40, 512]);
         assert_eq!(logits.dtype(), mlx::Dtype::Float32);
-        let diff = logits
-            .subtract(&reference)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all(false)
-            .unwrap()
-            .item::<f32>()
-            .unwrap();
+        let diff = test_support::max_diff(&logits, &reference);
         assert!(diff <= 1e-4, "incremental={incremental}: {diff}");
     }
 }
@@ -402,15 +394,7 @@ fn image_prompts_through_the_cli_match_mlx_vlm() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let logits = mlx::io::load_safetensors(&file).unwrap().tensors["logits"].clone();
-    let diff = logits
-        .subtract(&reference)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all(false)
-        .unwrap()
-        .item::<f32>()
-        .unwrap();
+    let diff = test_support::max_diff(&logits, &reference);
     assert!(diff <= 1e-4, "incremental image logits differ by {diff}");
 
     // Too few image tokens for the image: a clear error.
@@ -478,15 +462,7 @@ fn qwen3_5_image_prompts_through_the_cli_match_mlx_vlm() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let logits = mlx::io::load_safetensors(&file).unwrap().tensors["logits"].clone();
-    let diff = logits
-        .subtract(&golden["logits"])
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all(false)
-        .unwrap()
-        .item::<f32>()
-        .unwrap();
+    let diff = test_support::max_diff(&logits, &golden["logits"]);
     assert!(diff <= 1e-4, "incremental image logits differ by {diff}");
 }
 

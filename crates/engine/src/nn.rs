@@ -1,10 +1,49 @@
-//! The few layers models are built from: linear maps, embeddings, RMS norms.
+//! The few layers models are built from: linear maps, embeddings, RMS and layer norms.
 
 use mlx::Array;
 
 use crate::backend::Ops;
-use crate::checkpoint::Matrix;
+use crate::checkpoint::{Matrix, Weights};
 use crate::error::Result;
+
+/// A LayerNorm with a weight and a bias (vision towers).
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    weight: Array,
+    bias: Array,
+    eps: f32,
+}
+
+impl LayerNorm {
+    /// `{module}.weight` and `{module}.bias`, both `[width]`.
+    pub fn load(w: &Weights<'_>, module: &str, width: i32, eps: f32) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            weight: w.get(&format!("{module}.weight"), &[width])?,
+            bias: w.get(&format!("{module}.bias"), &[width])?,
+            eps,
+        })
+    }
+
+    /// Normalizes the last axis of `x`.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(mlx::fast::layer_norm(x, Some(&self.weight), Some(&self.bias), self.eps)?)
+    }
+}
+
+/// `[-x2, x1]` of `x`'s two halves along the last axis (rotary embeddings applied from
+/// explicit cosines and sines).
+pub fn rotate_half(x: &Array) -> Result<Array> {
+    let s = x.shape();
+    let last = s.len() - 1;
+    let half = s[last] / 2;
+    let mut start = vec![0; s.len()];
+    let mut mid = s.clone();
+    mid[last] = half;
+    let x1 = x.slice(&start, &mid, &vec![1; s.len()])?;
+    start[last] = half;
+    let x2 = x.slice(&start, &s, &vec![1; s.len()])?;
+    Ok(mlx::ops::concatenate(&[&x2.negative()?, &x1], -1)?)
+}
 
 /// `y = x · Wᵀ` for a weight stored `[out, in]`, dense or quantized.
 #[derive(Debug, Clone)]

@@ -12,6 +12,7 @@ use serde::Deserialize;
 
 use crate::checkpoint::{Matrix, Weights};
 use crate::error::{Error, Result};
+use crate::nn::LayerNorm;
 
 /// `vision_config` of a `gemma3` checkpoint.
 #[derive(Debug, Clone, Deserialize)]
@@ -72,27 +73,6 @@ impl Affine {
 
     fn forward(&self, x: &Array) -> Result<Array> {
         Ok(mlx::ops::addmm(&self.bias, x, &self.weight_t, 1.0, 1.0)?)
-    }
-}
-
-#[derive(Debug)]
-struct LayerNorm {
-    weight: Array,
-    bias: Array,
-    eps: f32,
-}
-
-impl LayerNorm {
-    fn load(w: &Weights<'_>, module: &str, width: i32, eps: f32) -> Result<LayerNorm> {
-        Ok(LayerNorm {
-            weight: w.get(&format!("{module}.weight"), &[width])?,
-            bias: w.get(&format!("{module}.bias"), &[width])?,
-            eps,
-        })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(mlx::fast::layer_norm(x, Some(&self.weight), Some(&self.bias), self.eps)?)
     }
 }
 

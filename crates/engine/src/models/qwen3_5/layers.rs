@@ -129,10 +129,8 @@ fn rotate_table(x: &Array, dims: i32, cos: &Array, sin: &Array) -> Result<Array>
     let s = x.shape();
     let (b, h, t, d) = (s[0], s[1], s[2], s[3]);
     let rot = x.slice(&[0, 0, 0, 0], &[b, h, t, dims], &[1; 4])?;
-    let rotated = rot
-        .multiply(cos)?
-        .add(&super::vision::rotate_half(&rot)?.multiply(sin)?)?
-        .astype(x.dtype())?;
+    let rotated =
+        rot.multiply(cos)?.add(&crate::nn::rotate_half(&rot)?.multiply(sin)?)?.astype(x.dtype())?;
     if dims == d {
         return Ok(rotated);
     }

@@ -16,7 +16,7 @@ use serde::Deserialize;
 use crate::backend::Ops;
 use crate::checkpoint::Weights;
 use crate::error::{Error, Result};
-use crate::nn::{Embedding, Linear};
+use crate::nn::{Embedding, LayerNorm, Linear, rotate_half};
 
 /// `vision_config` of a `qwen3_5` checkpoint.
 #[derive(Debug, Clone, Deserialize)]
@@ -86,25 +86,6 @@ impl Affine {
 
     fn forward(&self, x: &Array, ops: &Ops) -> Result<Array> {
         Ok(self.linear.forward(x, ops)?.add(&self.bias)?)
-    }
-}
-
-#[derive(Debug)]
-struct LayerNorm {
-    weight: Array,
-    bias: Array,
-}
-
-impl LayerNorm {
-    fn load(w: &Weights<'_>, module: &str, width: i32) -> Result<LayerNorm> {
-        Ok(LayerNorm {
-            weight: w.get(&format!("{module}.weight"), &[width])?,
-            bias: w.get(&format!("{module}.bias"), &[width])?,
-        })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(mlx::fast::layer_norm(x, Some(&self.weight), Some(&self.bias), EPS)?)
     }
 }
 
@@ -192,10 +173,10 @@ impl QwenVision {
                 let affine =
                     |name: &str, rows, cols| Affine::load(w, &format!("{b}{name}"), rows, cols);
                 Ok(Block {
-                    norm1: LayerNorm::load(w, &format!("{b}norm1"), hv)?,
+                    norm1: LayerNorm::load(w, &format!("{b}norm1"), hv, EPS)?,
                     qkv: affine("attn.qkv", 3 * hv, hv)?,
                     proj: affine("attn.proj", hv, hv)?,
-                    norm2: LayerNorm::load(w, &format!("{b}norm2"), hv)?,
+                    norm2: LayerNorm::load(w, &format!("{b}norm2"), hv, EPS)?,
                     fc1: affine("mlp.linear_fc1", c.intermediate_size, hv)?,
                     fc2: affine("mlp.linear_fc2", hv, c.intermediate_size)?,
                 })
@@ -203,7 +184,7 @@ impl QwenVision {
             .collect::<Result<Vec<_>>>()?;
         let merged = hv * c.spatial_merge_size * c.spatial_merge_size;
         Ok(QwenVision {
-            merger_norm: LayerNorm::load(w, "merger.norm", hv)?,
+            merger_norm: LayerNorm::load(w, "merger.norm", hv, EPS)?,
             merger_fc1: Affine::load(w, "merger.linear_fc1", merged, merged)?,
             merger_fc2: Affine::load(w, "merger.linear_fc2", c.out_hidden_size, merged)?,
             patch_t,
@@ -387,20 +368,6 @@ impl QwenVision {
         let doubled = mlx::ops::concatenate(&[&angles, &angles], -1)?.reshape(&[1, n, 1, d])?;
         Ok((doubled.cos()?, doubled.sin()?))
     }
-}
-
-/// `[-x2, x1]` of `x`'s two halves along the last axis.
-pub(super) fn rotate_half(x: &Array) -> Result<Array> {
-    let s = x.shape();
-    let last = s.len() - 1;
-    let half = s[last] / 2;
-    let mut start = vec![0; s.len()];
-    let mut mid = s.clone();
-    mid[last] = half;
-    let x1 = x.slice(&start, &mid, &vec![1; s.len()])?;
-    start[last] = half;
-    let x2 = x.slice(&start, &s, &vec![1; s.len()])?;
-    Ok(mlx::ops::concatenate(&[&x2.negative()?, &x1], -1)?)
 }
 
 /// GELU with the exact error function, as `mlx.nn.gelu`: `x · (1 + erf(x / √2)) / 2`.
