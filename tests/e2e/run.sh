@@ -30,6 +30,9 @@ xvfb-run -a -s "-screen 0 1280x900x24" bash -c '
   trap "kill \$(jobs -p) 2>/dev/null; pkill -P \$\$ 2>/dev/null" EXIT
   "$0" --port "$1" --native-port $(( $1 + 1 )) > "$QUINCE_DATA_DIR/tauri-driver.log" 2>&1 &
   for _ in $(seq 100); do curl -sf "$E2E_DRIVER/status" >/dev/null 2>&1 && break; sleep 0.1; done
-  node tests/e2e/app.e2e.mjs; status=$?
-  [ $status = 0 ] || { echo "--- tauri-driver log"; tail -40 "$QUINCE_DATA_DIR/tauri-driver.log"; echo "--- app log"; tail -40 "$QUINCE_DATA_DIR"/logs/quince*.log 2>/dev/null; }
+  node tests/e2e/app.e2e.mjs 2>&1 | tee "$QUINCE_DATA_DIR/e2e.log"; status=${PIPESTATUS[0]}
+  # On failure the logs come first and the failure last, where a log tail shows it.
+  [ $status = 0 ] || { echo "--- tauri-driver log"; tail -40 "$QUINCE_DATA_DIR/tauri-driver.log";
+    echo "--- app log"; tail -40 "$QUINCE_DATA_DIR"/logs/quince*.log 2>/dev/null;
+    echo "--- e2e (the failure)"; sed -n "/e2e: FAILED/,\$p" "$QUINCE_DATA_DIR/e2e.log" | head -80; }
   exit $status' "$DRIVER" "$PORT"

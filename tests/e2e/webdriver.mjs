@@ -3,12 +3,29 @@
 const W3C_ELEMENT = "element-6066-11e4-a52e-4f735466cecf";
 export const Keys = { ENTER: "\uE007", ESCAPE: "\uE00C" };
 
+// tauri-driver forwards each request to WebKitWebDriver over a pooled keep-alive connection;
+// when that connection closes under a request, tauri-driver drops ours without an answer
+// ("Error serving connection" in its log). The usual cause is a pooled connection closed
+// before the request went out, so it is sent again, a few times, and each retry is printed.
+const TRANSPORT_RETRIES = 3;
+
 async function call(base, method, path, body) {
-  const response = await fetch(base + path, {
-    method,
-    headers: { "content-type": "application/json" },
-    body: body === undefined ? undefined : JSON.stringify(body),
-  });
+  let response;
+  for (let attempt = 0; ; attempt++) {
+    try {
+      response = await fetch(base + path, {
+        method,
+        headers: { "content-type": "application/json" },
+        body: body === undefined ? undefined : JSON.stringify(body),
+      });
+      break;
+    } catch (error) {
+      const cause = error.cause?.code ?? error.cause?.message ?? error.message;
+      if (attempt >= TRANSPORT_RETRIES) throw new Error(`${method} ${path}: no answer from the driver (${cause})`);
+      console.log(`  retrying ${method} ${path}: no answer from the driver (${cause})`);
+      await new Promise((r) => setTimeout(r, 250));
+    }
+  }
   const json = await response.json().catch(() => ({}));
   if (!response.ok || (json.value && json.value.error)) {
     const v = json.value ?? {};
