@@ -136,6 +136,16 @@ pub trait Cache: std::fmt::Debug {
     fn as_gated_delta_mut(&mut self) -> Option<&mut dyn GatedDeltaCache> {
         None
     }
+    /// One offset per row, when this cache holds a batch of rows at their own offsets
+    /// ([`CacheRows`]); `None` for a single sequence, whose offset is [`Cache::offset`].
+    fn row_offsets(&self) -> Option<Vec<usize>> {
+        None
+    }
+    /// This cache as a batch of rows, when it is one (a speculative round resolved with a
+    /// keep count per row, rows joining and leaving).
+    fn as_rows_mut(&mut self) -> Option<&mut CacheRows> {
+        None
+    }
     /// A multimodal-RoPE model's position shift ([`PositionCache`]), when this is one.
     fn as_positions_mut(&mut self) -> Option<&mut PositionCache> {
         None
@@ -372,6 +382,12 @@ impl CacheState {
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| Error::InvalidRequest(format!("cache state has no numeric `{key}`")))
     }
+}
+
+/// Each row's offset in a stack of batched caches ([`Cache::row_offsets`] of the first one);
+/// `None` for a single sequence.
+pub fn stack_row_offsets(caches: &[Box<dyn Cache>]) -> Option<Vec<usize>> {
+    caches.first().and_then(|c| c.row_offsets())
 }
 
 /// The offset every cache of a stack is at (the first one's; 0 for none).

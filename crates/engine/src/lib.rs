@@ -44,6 +44,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod batch;
 pub mod cache;
 pub mod checkpoint;
 pub mod compiled;

@@ -16,7 +16,9 @@
 
 use mlx::{Array, Dtype, ops};
 
-use super::{AttentionCache, AttentionRead, ReadMask, check_append, round_error};
+use super::{
+    AttentionCache, AttentionRead, Cache, CacheState, ReadMask, check_append, round_error,
+};
 use crate::error::{Error, Result};
 
 /// How many positions of a speculative round each row keeps.
@@ -31,7 +33,8 @@ pub enum Keep<'a> {
 /// Rows of one batch, each in its own storage. See the module docs.
 #[derive(Debug, Default)]
 pub struct CacheRows {
-    rows: Vec<Box<dyn AttentionCache>>,
+    /// Every row's cache, each an attention storage ([`Cache::as_attention`]).
+    rows: Vec<Box<dyn Cache>>,
     /// Each row's offset when the armed round began.
     round: Option<Vec<usize>>,
 }
@@ -62,13 +65,19 @@ impl CacheRows {
 
     /// Row `row`'s storage.
     pub fn row(&self, row: usize) -> Option<&dyn AttentionCache> {
-        self.rows.get(row).map(|r| r.as_ref())
+        self.rows.get(row).and_then(|r| r.as_attention())
     }
 
-    /// Appends `rows` after the existing ones. They must share the batch's storage (one
-    /// [`super::Cache::signature`]); outside a round only.
-    pub fn merge_rows(&mut self, rows: Vec<Box<dyn AttentionCache>>) -> Result<()> {
+    /// Appends `rows` after the existing ones. They must be attention storage, all of the
+    /// batch's (one [`super::Cache::signature`]); outside a round only.
+    pub fn merge_rows(&mut self, rows: Vec<Box<dyn Cache>>) -> Result<()> {
         self.outside_round("merge rows")?;
+        if let Some(other) = rows.iter().find(|r| r.as_attention().is_none()) {
+            return Err(Error::InvalidRequest(format!(
+                "a batch of attention rows cannot take {}",
+                other.signature()
+            )));
+        }
         let signature = self.rows.first().or(rows.first()).map(|r| r.signature());
         if let Some(other) = rows.iter().find(|r| Some(r.signature()) != signature) {
             return Err(Error::InvalidRequest(format!(
@@ -82,7 +91,7 @@ impl CacheRows {
     }
 
     /// Removes row `row` and returns it: an ordinary single-sequence cache. Outside a round.
-    pub fn extract_row(&mut self, row: usize) -> Result<Box<dyn AttentionCache>> {
+    pub fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>> {
         self.outside_round("extract a row")?;
         self.check_row(row)?;
         Ok(self.rows.remove(row))
@@ -98,7 +107,7 @@ impl CacheRows {
                 return Err(Error::InvalidRequest(format!("row {row} listed twice")));
             }
         }
-        let mut rows: Vec<Option<Box<dyn AttentionCache>>> =
+        let mut rows: Vec<Option<Box<dyn Cache>>> =
             std::mem::take(&mut self.rows).into_iter().map(Some).collect();
         self.rows = keep.iter().filter_map(|&row| rows[row].take()).collect();
         Ok(())
@@ -108,17 +117,6 @@ impl CacheRows {
     /// [`super::Cache::max_append`]; `None`: any number).
     pub fn max_append(&self) -> Option<usize> {
         self.rows.iter().filter_map(|r| r.max_append()).min()
-    }
-
-    /// Decode: one new position per row (`[B, H, 1, D]`, `B` the batch size).
-    pub fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
-        self.append(keys, values, true)
-    }
-
-    /// Window: `L` new positions per row, causal within the window (see
-    /// [`AttentionCache::append_window`]).
-    pub fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
-        self.append(keys, values, false)
     }
 
     /// Arms a round on every row.
@@ -183,6 +181,7 @@ impl CacheRows {
             )));
         }
         if let [row] = self.rows.as_mut_slice() {
+            let row = super::attention_of(row.as_mut())?;
             return if decode {
                 row.append_decode(keys, values)
             } else {
@@ -199,6 +198,7 @@ impl CacheRows {
         // one shape), so a bad append fails on the first row, before any row has changed.
         let mut reads = Vec::with_capacity(batch);
         for (b, row) in self.rows.iter_mut().enumerate() {
+            let row = super::attention_of(row.as_mut())?;
             let (k, v) = (row_of(keys, b)?, row_of(values, b)?);
             reads.push(if decode {
                 row.append_decode(&k, &v)?
@@ -224,6 +224,105 @@ impl CacheRows {
             )));
         }
         Ok(())
+    }
+}
+
+/// A batch is one layer's cache in a batched forward pass: the model appends every row's keys
+/// and values at once and reads back the stacked, left-padded read; each row's new positions
+/// start at its own offset ([`Cache::row_offsets`]). Whole-batch calls that would mean a
+/// different thing per row (persistence, trims) are refused: a row leaves the batch
+/// ([`CacheRows::extract_row`]) to be saved or trimmed.
+impl Cache for CacheRows {
+    /// The longest row's offset (each row's: [`Cache::row_offsets`]).
+    fn offset(&self) -> usize {
+        self.rows.iter().map(|r| r.offset()).max().unwrap_or(0)
+    }
+
+    fn signature(&self) -> String {
+        match self.rows.first() {
+            Some(row) => format!("rows({})", row.signature()),
+            None => "rows".into(),
+        }
+    }
+
+    /// What one more position costs one row.
+    fn bytes_per_token(&self) -> usize {
+        self.rows.first().map_or(0, |r| r.bytes_per_token())
+    }
+
+    /// The longest row's stored positions.
+    fn stored_positions(&self) -> usize {
+        self.rows.iter().map(|r| r.stored_positions()).max().unwrap_or(0)
+    }
+
+    fn max_append(&self) -> Option<usize> {
+        CacheRows::max_append(self)
+    }
+
+    fn row_offsets(&self) -> Option<Vec<usize>> {
+        Some(CacheRows::row_offsets(self))
+    }
+
+    fn buffers(&self) -> Vec<Array> {
+        self.rows.iter().flat_map(|r| r.buffers()).collect()
+    }
+
+    fn state(&self) -> Result<CacheState> {
+        Err(Error::InvalidRequest("a batch is saved row by row: extract the row first".into()))
+    }
+
+    fn restore(&mut self, _state: &CacheState) -> Result<()> {
+        Err(Error::InvalidRequest("a batch is restored row by row: merge a restored row".into()))
+    }
+
+    fn is_trimmable(&self) -> bool {
+        false
+    }
+
+    fn trim(&mut self, _n: usize) -> Result<usize> {
+        Err(Error::InvalidRequest("a batch is trimmed row by row: extract the row first".into()))
+    }
+
+    fn spec_round_begin(&mut self) -> Result<()> {
+        CacheRows::spec_round_begin(self)
+    }
+
+    fn spec_round_commit(&mut self) -> Result<()> {
+        CacheRows::spec_round_commit(self)
+    }
+
+    /// The same count for every row ([`CacheRows::spec_round_rollback`] takes one per row).
+    fn spec_round_rollback(&mut self, keep: usize) -> Result<()> {
+        CacheRows::spec_round_rollback(self, Keep::All(keep))
+    }
+
+    fn as_attention(&self) -> Option<&dyn AttentionCache> {
+        Some(self)
+    }
+
+    fn as_attention_mut(&mut self) -> Option<&mut dyn AttentionCache> {
+        Some(self)
+    }
+
+    fn as_rows_mut(&mut self) -> Option<&mut CacheRows> {
+        Some(self)
+    }
+}
+
+impl AttentionCache for CacheRows {
+    /// Decode: one new position per row (`[B, H, 1, D]`, `B` the batch size).
+    fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        self.append(keys, values, true)
+    }
+
+    /// Window: `L` new positions per row, causal within the window.
+    fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        self.append(keys, values, false)
+    }
+
+    /// Refused: a drafter reads one sequence's keys and values.
+    fn donor_read(&self) -> Result<Option<AttentionRead>> {
+        Err(Error::InvalidRequest("a batch of rows has no donor read: extract the row".into()))
     }
 }
 

@@ -2,6 +2,7 @@
 //! against the reference libraries' golden outputs.
 #![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
+mod batch;
 mod cache;
 mod cache_rounds;
 mod errors;

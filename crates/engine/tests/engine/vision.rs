@@ -20,7 +20,7 @@ fn json(name: &str) -> Value {
         .unwrap()
 }
 
-fn tensors(name: &str) -> std::collections::HashMap<String, Array> {
+pub(crate) fn tensors(name: &str) -> std::collections::HashMap<String, Array> {
     mlx::io::load_safetensors(root().join("vision").join(name)).unwrap().tensors
 }
 
@@ -34,7 +34,7 @@ fn max_diff(a: &Array, b: &Array) -> f32 {
     a.subtract(&b).unwrap().abs().unwrap().max_all(false).unwrap().item::<f32>().unwrap()
 }
 
-fn ids(a: &Array) -> Vec<u32> {
+pub(crate) fn ids(a: &Array) -> Vec<u32> {
     a.astype(Dtype::Int32).unwrap().to_vec::<i32>().unwrap().into_iter().map(|v| v as u32).collect()
 }
 
@@ -176,7 +176,7 @@ fn vision_features_match_encode_image() {
     assert!(d <= 1e-4, "1×1: {d}");
 }
 
-fn prompt_images(model: &dyn Model, prompt: &str) -> Vec<Array> {
+pub(crate) fn prompt_images(model: &dyn Model, prompt: &str) -> Vec<Array> {
     let names: &[&str] = match prompt {
         "single" | "later_turn" => &["rgb_640x480.png"],
         _ => &["rgb_640x480.png", "tall_100x4000.jpg"],

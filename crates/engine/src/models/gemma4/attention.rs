@@ -63,9 +63,14 @@ impl Rope {
             Some(f) => RopeFrequencies::Custom(f),
             None => RopeFrequencies::Base(self.base),
         };
+        let shifted;
         let offset = match position {
             Position::At { at, .. } => RopeOffset::Fixed(at + delta),
-            Position::Traced(p) if delta == 0 => RopeOffset::Array(p),
+            Position::Traced(p) | Position::Rows(p) if delta == 0 => RopeOffset::Array(p),
+            Position::Rows(p) => {
+                shifted = p.add(&Array::scalar(delta)?)?;
+                RopeOffset::Array(&shifted)
+            }
             Position::Traced(_) => {
                 return Err(Error::InvalidRequest(
                     "a traced decode step has one position per row".into(),
@@ -84,6 +89,8 @@ pub(crate) enum Position {
     At { at: i32, scalar: OnceCell<Array> },
     /// At the int32 scalar a compiled decode step takes as an input.
     Traced(Array),
+    /// Each row of a batch at its own position: an int32 `[B]`.
+    Rows(Array),
 }
 
 impl Position {
@@ -92,23 +99,33 @@ impl Position {
         Position::At { at, scalar: OnceCell::new() }
     }
 
-    /// Where the positions appended to `caches` start: their offset.
-    pub(crate) fn of(caches: &[Box<dyn Cache>]) -> Position {
-        Position::at(crate::cache::stack_offset(caches) as i32)
+    /// Where the positions appended to `caches` start: their offset, or each row's in a batch.
+    pub(crate) fn of(caches: &[Box<dyn Cache>]) -> Result<Position> {
+        match crate::cache::stack_row_offsets(caches) {
+            Some(rows) => {
+                let rows: Vec<i32> = rows.iter().map(|&o| o as i32).collect();
+                Ok(Position::Rows(Array::from_slice(&rows, &[rows.len() as i32])?))
+            }
+            None => Ok(Position::at(crate::cache::stack_offset(caches) as i32)),
+        }
     }
 
     /// `delta` positions later.
-    pub(crate) fn advanced(&self, delta: i32) -> Position {
-        match self {
+    pub(crate) fn advanced(&self, delta: i32) -> Result<Position> {
+        Ok(match self {
             Position::At { at, .. } => Position::at(at + delta),
+            Position::Rows(p) => Position::Rows(p.add(&Array::scalar(delta)?)?),
             traced => traced.clone(),
-        }
+        })
     }
 
     /// The position as an int32 scalar array.
     fn scalar(&self) -> Result<Array> {
         match self {
             Position::Traced(p) => Ok(p.clone()),
+            Position::Rows(_) => {
+                Err(Error::InvalidRequest("a batch's rows are at positions of their own".into()))
+            }
             Position::At { at, scalar } => {
                 if let Some(made) = scalar.get() {
                     return Ok(made.clone());
@@ -251,7 +268,13 @@ impl Attention {
     ) -> Result<Option<crate::backend::Heads>> {
         // The kernel rotates whole heads at scale 1 and norms the values.
         let plain_values = self.kv.as_ref().is_some_and(|kv| kv.v_norm.is_none());
-        if rope.dims != self.head_dim || rope.scale != 1.0 || plain_values || !ops.has_kernels() {
+        let batched = matches!(position, Position::Rows(_));
+        if rope.dims != self.head_dim
+            || rope.scale != 1.0
+            || plain_values
+            || batched
+            || !ops.has_kernels()
+        {
             return Ok(None);
         }
         let (kv_heads, values_at, k_norm) = match &self.kv {

@@ -432,7 +432,7 @@ impl Decoder {
             reads.push(own);
             if trim_at == Some(i) {
                 (h, per_layer) = last_rows(&h, per_layer.as_ref())?;
-                position = position.advanced(length - 1);
+                position = position.advanced(length - 1)?;
             }
             let next = match self.layers.get(i + 1) {
                 Some(next) => &next.input_layernorm,
@@ -497,7 +497,7 @@ impl Model for Gemma4Text {
             Phase::Window => Append::Window,
             Phase::Decode => Append::Decode,
         };
-        let position = Position::of(caches);
+        let position = Position::of(caches)?;
         self.run(tokens, h, caches, &append, rows, position)
     }
 
@@ -576,7 +576,7 @@ impl Model for Gemma4Text {
         } else {
             Append::Window
         };
-        let position = Position::of(caches);
+        let position = Position::of(caches)?;
         self.run(&ple_ids, h, caches, &append, rows, position)
     }
 

@@ -1,0 +1,199 @@
+//! Continuous batching ([`engine::batch::Batch`]) against the same requests run alone: rows
+//! of different lengths join at different steps, decode together, end at their own budgets,
+//! and generate what [`generate`] generates for each alone, greedy and sampled at fixed seeds,
+//! on the tiny Gemma 4 checkpoints (dense with and without an image, MoE, 4-bit).
+
+use std::collections::BTreeMap;
+
+use engine::batch::{Batch, BatchEvent, Finished, RowId};
+use engine::cache::Cache;
+use engine::generate::{Flow, GenerateRequest, generate};
+use engine::models::Model;
+use engine::sampling::SamplingParams;
+use mlx::Array;
+
+use super::gemma4::golden_at;
+use super::vision::{ids, prompt_images, tensors};
+
+fn load(name: &str) -> Box<dyn Model> {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/golden/gemma4")
+        .join(name);
+    engine::registry::load_model(&dir, &engine::LoadOptions::default()).unwrap()
+}
+
+/// Four requests over `prompt`: different lengths, budgets and (when `sampled`) seeds.
+fn requests(prompt: &[u32], sampled: bool) -> Vec<GenerateRequest> {
+    [(40, 12), (9, 20), (27, 7), (3, 16)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, max_tokens))| {
+            let len = len.min(prompt.len());
+            let mut request =
+                GenerateRequest::new(prompt[prompt.len() - len..].to_vec(), max_tokens);
+            if sampled {
+                request.sampling = SamplingParams {
+                    temperature: 0.9,
+                    top_k: 40,
+                    seed: 7 + i as u64,
+                    ..SamplingParams::default()
+                };
+            }
+            request
+        })
+        .collect()
+}
+
+fn alone(model: &dyn Model, request: &GenerateRequest) -> (Vec<u32>, Vec<Box<dyn Cache>>) {
+    let mut caches = model.fresh_caches().unwrap();
+    let reply = generate(model, &mut caches, request, |_| Flow::Continue).unwrap();
+    (reply.tokens, caches)
+}
+
+/// Runs `requests` through one batch, request `i` joining before step `joins[i]`; returns each
+/// row's streamed tokens and its finished record, by id.
+fn batched(
+    model: &dyn Model,
+    requests: &[GenerateRequest],
+    joins: &[usize],
+) -> BTreeMap<RowId, (Vec<u32>, Finished)> {
+    let mut batch = Batch::new(model);
+    let mut streamed: BTreeMap<RowId, Vec<u32>> = BTreeMap::new();
+    let mut finished: BTreeMap<RowId, Finished> = BTreeMap::new();
+    let mut record = |events: Vec<BatchEvent>, streamed: &mut BTreeMap<RowId, Vec<u32>>| {
+        for event in events {
+            match event {
+                BatchEvent::Token { id, token } => streamed.entry(id).or_default().push(token),
+                BatchEvent::Finished(f) => {
+                    assert!(finished.insert(f.id, f).is_none(), "a row finishes once");
+                }
+            }
+        }
+    };
+    let mut most = 1;
+    for step in 0.. {
+        for (i, request) in requests.iter().enumerate() {
+            if joins[i] == step {
+                let caches = model.fresh_caches().unwrap();
+                record(batch.join(i as RowId, caches, request).unwrap(), &mut streamed);
+            }
+        }
+        most = most.max(batch.len());
+        if batch.is_empty() && step > *joins.iter().max().unwrap() {
+            break;
+        }
+        record(batch.step().unwrap(), &mut streamed);
+    }
+    assert!(most >= 3, "rows overlapped (at most {most} at once)");
+    finished.into_iter().map(|(id, f)| (id, (streamed.remove(&id).unwrap(), f))).collect()
+}
+
+fn assert_batched_equals_alone(model: &dyn Model, requests: &[GenerateRequest], what: &str) {
+    let joins = [0, 2, 3, 5];
+    let rows = batched(model, requests, &joins);
+    assert_eq!(rows.len(), requests.len(), "{what}: every row finished");
+    for (i, request) in requests.iter().enumerate() {
+        let (want, solo_caches) = alone(model, request);
+        let (streamed, finished) = &rows[&(i as RowId)];
+        assert_eq!(streamed, &want, "{what}: row {i} streamed what it generates alone");
+        assert_eq!(finished.generation.tokens, want, "{what}: row {i}");
+        assert_eq!(finished.generation.stats.prompt_tokens, request.prompt.len());
+        // The row leaves as an ordinary cache holding bit for bit what the solo run's holds
+        // (on the CPU: its batched matmuls and reads give each row its own result exactly).
+        for (layer, (ours, solo)) in finished.caches.iter().zip(&solo_caches).enumerate() {
+            assert_eq!(ours.signature(), solo.signature(), "{what}: row {i} layer {layer}");
+            assert_eq!(ours.offset(), solo.offset(), "{what}: row {i} layer {layer}");
+            assert!(ours.row_offsets().is_none(), "an extracted row is a single sequence");
+            let (a, b) = (ours.state().unwrap(), solo.state().unwrap());
+            for (name, tensor) in &a.tensors {
+                let d = test_support::max_diff(tensor, &b.tensors[name]);
+                assert_eq!(d, 0.0, "{what}: row {i} layer {layer} {name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn batched_greedy_and_seeded_sampling_equal_each_request_alone() {
+    for name in ["dense", "moe", "dense_q4"] {
+        let model = load(name);
+        let prompt = golden_at(
+            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/golden/gemma4")
+                .join(name),
+        )
+        .prompt;
+        for sampled in [false, true] {
+            let what = format!("{name}, {}", if sampled { "sampled" } else { "greedy" });
+            assert_batched_equals_alone(model.as_ref(), &requests(&prompt, sampled), &what);
+        }
+    }
+}
+
+/// A row whose prompt holds an image prefills alone with its image and then decodes among
+/// text rows; what it generates is the reference's greedy reply to that prompt.
+#[test]
+fn a_row_with_an_image_decodes_among_text_rows() {
+    let model = load("dense");
+    let golden = tensors("vision.safetensors");
+    let tokens = ids(&golden["single.ids"]);
+    let images: Vec<Array> = prompt_images(model.as_ref(), "single");
+    let text = golden_at(
+        &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/golden/gemma4/dense"),
+    )
+    .prompt;
+    let mut requests = requests(&text, false);
+    requests[1] = GenerateRequest { images, ..GenerateRequest::new(tokens, 32) };
+    assert_batched_equals_alone(model.as_ref(), &requests, "dense with an image");
+    let rows = batched(model.as_ref(), &requests, &[0, 2, 3, 5]);
+    assert_eq!(rows[&1].1.generation.tokens, ids(&golden["single.greedy"]), "mlx-vlm's greedy");
+}
+
+/// A cancelled row leaves at once with what it generated so far; the others go on and still
+/// generate what they generate alone. Rows of another KV storage, or with a duplicate id, are
+/// refused before their prefill, and the batch is unchanged.
+#[test]
+fn a_cancelled_row_leaves_at_once_and_bad_joins_change_nothing() {
+    let model = load("dense");
+    let prompt = golden_at(
+        &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/golden/gemma4/dense"),
+    )
+    .prompt;
+    let requests = requests(&prompt, false);
+    let mut batch = Batch::new(model.as_ref());
+    for (i, request) in requests.iter().enumerate().take(3) {
+        batch.join(i as RowId, model.fresh_caches().unwrap(), request).unwrap();
+    }
+    batch.step().unwrap();
+    assert_eq!(batch.len(), 3);
+    let cancelled = batch.cancel(1).unwrap().expect("row 1 is in the batch");
+    assert_eq!(cancelled.generation.stop_reason, engine::generate::StopReason::Stopped);
+    assert_eq!(cancelled.generation.tokens.len(), 2, "its first token and one step");
+    assert_eq!(batch.ids(), vec![0, 2], "its row is free before the next step");
+    assert!(batch.cancel(1).unwrap().is_none());
+
+    assert!(batch.join(0, model.fresh_caches().unwrap(), &requests[3]).is_err(), "duplicate id");
+    let kv = engine::cache::KvOptions {
+        format: engine::cache::KvFormat::Affine { bits: 4, group_size: 32 },
+        ..engine::cache::KvOptions::default()
+    };
+    let plan = model.cache_plan().with_kv(&kv).unwrap();
+    let other = model.new_caches(&plan).unwrap();
+    let error = batch.join(9, other, &requests[3]).unwrap_err().to_string();
+    assert!(error.contains("one KV storage per batch"), "{error}");
+    assert_eq!(batch.ids(), vec![0, 2]);
+
+    let mut rest: BTreeMap<RowId, Vec<u32>> = BTreeMap::new();
+    while !batch.is_empty() {
+        for event in batch.step().unwrap() {
+            if let BatchEvent::Finished(f) = event {
+                rest.insert(f.id, f.generation.tokens);
+            }
+        }
+    }
+    for id in [0, 2] {
+        assert_eq!(rest[&id], alone(model.as_ref(), &requests[id as usize]).0, "row {id}");
+    }
+}
