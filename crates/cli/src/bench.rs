@@ -2,6 +2,7 @@
 //! (mlx-lm, or mlx-vlm with an image) measured in the same invocation and printed beside it.
 //! The other benchmarks live here too: `bench-spec` ([`spec`]), `bench-ops` ([`ops`]).
 
+pub(crate) mod batch;
 pub(crate) mod gpu_clock;
 pub(crate) mod host_profile;
 pub(crate) mod ops;

@@ -4,7 +4,7 @@
 //!   ids out; `--json` for scripts);
 //! - `quince chat`: one turn of a named conversation in the app's store (`crates/chat`);
 //! - `quince logits`: write a forward pass's logits to safetensors (full or incremental);
-//! - `quince bench`, `bench-spec`, `bench-ops`: speed, side by side with the reference;
+//! - `quince bench`, `bench-spec`, `bench-batch`, `bench-ops`: speed, side by side with the reference;
 //! - `quince doctor`: the MLX build this process runs on, and a smoke computation;
 //! - `quince untrained-model`, `quince pull`: the untrained test model, and downloads from
 //!   Hugging Face.
@@ -49,6 +49,9 @@ enum Command {
     /// Speculative decoding's costs and gains: verify windows vs a decode step, 0% acceptance,
     /// the model drafting for itself.
     BenchSpec(bench::spec::Args),
+    /// Continuous batching's throughput at 1, 2, 4, 8 concurrent streams, beside mlx-lm's
+    /// BatchGenerator.
+    BenchBatch(bench::batch::Args),
     /// Download a model from Hugging Face into the shared cache (resumes what is on disk).
     Pull(pull::Args),
     /// Perplexity on a text, and each draft method's acceptance on prompts from it.
@@ -75,6 +78,7 @@ fn main() -> anyhow::Result<()> {
         Command::UntrainedModel(args) => demo::run(&args),
         Command::BenchOps(args) => bench::ops::run(&args),
         Command::BenchSpec(args) => bench::spec::run(&args),
+        Command::BenchBatch(args) => bench::batch::run(&args),
         Command::Pull(args) => pull::run(&args),
         Command::Eval(args) => eval::run(&args),
     }

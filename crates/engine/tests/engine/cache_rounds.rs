@@ -298,7 +298,12 @@ fn rows_match_their_kept_decodes(
     batch.filter_rows(&[last, 0]).unwrap();
     assert_eq!(batch.row_offsets(), vec![references[last].offset(), references[0].offset()]);
     let row = batch.extract_row(1).unwrap();
-    assert_same_storage(row.as_attention().unwrap(), references[0].as_ref(), slots, "extracted row 0");
+    assert_same_storage(
+        row.as_attention().unwrap(),
+        references[0].as_ref(),
+        slots,
+        "extracted row 0",
+    );
     assert_eq!(batch.batch_size(), 1);
 }
 

@@ -1,0 +1,225 @@
+//! `quince bench-batch`: continuous batching's throughput at 1, 2, 4, 8… concurrent streams,
+//! beside mlx-lm's `BatchGenerator` on the same checkpoint and prompts in the same run
+//! (`--compare`, through `tests/bench/mlx_lm_batch.py`).
+//!
+//! Each stream has its own synthetic prompt (the `bench` formula shifted per stream) and
+//! decodes `--gen-tokens` greedy tokens; every stream starts at once. Per stream count:
+//! aggregate decode tok/s (the tokens after each stream's first over the time from the first
+//! token of the last stream to join until the last stream ends), and the p50/p99 time of one
+//! decode step (what each stream waits per token). Medians over `--repeats` runs after a
+//! warm-up at the largest count. With `--compare`, whether the greedy tokens of every stream
+//! equal mlx-lm's.
+
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use engine::batch::{Batch, BatchEvent};
+use engine::generate::GenerateRequest;
+use engine::models::Model;
+use serde_json::{Value, json};
+
+use crate::options::LoadArgs;
+
+/// Arguments of `quince bench-batch`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Model directory.
+    #[arg(long)]
+    model: std::path::PathBuf,
+    /// Prompt tokens per stream.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Tokens each stream decodes.
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Concurrent stream counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    streams: Vec<usize>,
+    /// Timed runs per count; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Run mlx-lm's BatchGenerator on the same workload, in its own process, and print both.
+    #[arg(long)]
+    compare: bool,
+    /// Python with mlx-lm installed, for --compare (default: .venv/bin/python, else python3).
+    #[arg(long)]
+    python: Option<std::path::PathBuf>,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    load: LoadArgs,
+}
+
+/// Stream `s`'s prompt: `bench`'s synthetic formula shifted by `101·s` (kept in step with
+/// `tests/bench/mlx_lm_batch.py`).
+fn stream_prompt(n: usize, vocab: u32, s: usize) -> Vec<u32> {
+    let shift = 101 * s as u32;
+    (0..n as u32).map(|i| 3 + (i * 7919 + 13 + shift) % (vocab - 3)).collect()
+}
+
+/// One run at `streams` concurrent streams.
+struct Run {
+    decode_tok_s: f64,
+    step_ms: Vec<f64>,
+    tokens: Vec<Vec<u32>>,
+}
+
+fn run_once(model: &dyn Model, args: &Args, streams: usize) -> anyhow::Result<Run> {
+    let vocab = model.vocab_size() as u32;
+    let mut batch = Batch::new(model);
+    let mut tokens = vec![Vec::new(); streams];
+    let record = |events: Vec<BatchEvent>, tokens: &mut Vec<Vec<u32>>| {
+        for event in events {
+            if let BatchEvent::Token { id, token } = event {
+                tokens[id as usize].push(token);
+            }
+        }
+    };
+    for s in 0..streams {
+        let request =
+            GenerateRequest::new(stream_prompt(args.prompt_tokens, vocab, s), args.gen_tokens);
+        let events = batch.join(s as u64, model.fresh_caches()?, &request)?;
+        record(events, &mut tokens);
+    }
+    let start = Instant::now();
+    let mut step_ms = Vec::new();
+    while !batch.is_empty() {
+        let step = Instant::now();
+        let events = batch.step()?;
+        step_ms.push(step.elapsed().as_secs_f64() * 1e3);
+        record(events, &mut tokens);
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let decoded: usize = tokens.iter().map(|t| t.len().saturating_sub(1)).sum();
+    Ok(Run { decode_tok_s: decoded as f64 / secs, step_ms, tokens })
+}
+
+fn percentile(values: &mut [f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let at = ((values.len() - 1) as f64 * p).round() as usize;
+    values[at]
+}
+
+/// `quince bench-batch`.
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    if args.prompt_tokens == 0 || args.gen_tokens < 2 || args.repeats == 0 {
+        bail!("--prompt-tokens and --repeats must be positive, --gen-tokens at least 2");
+    }
+    if args.streams.is_empty() || args.streams.contains(&0) {
+        bail!("--streams takes positive counts, e.g. 1,2,4,8");
+    }
+    let model = engine::registry::load_model(&args.model, &args.load.options())?;
+    let most = args.streams.iter().copied().max().unwrap_or(1);
+    run_once(model.as_ref(), args, most)?; // warm-up: builds the kernels of every shape
+    let mut rows = Vec::new();
+    for &streams in &args.streams {
+        let mut rates = Vec::new();
+        let mut steps = Vec::new();
+        let mut tokens = Vec::new();
+        for _ in 0..args.repeats {
+            let run = run_once(model.as_ref(), args, streams)?;
+            rates.push(run.decode_tok_s);
+            steps.extend(run.step_ms);
+            tokens = run.tokens;
+        }
+        rows.push(json!({
+            "streams": streams,
+            "decode_tok_s": percentile(&mut rates, 0.5),
+            "step_ms_p50": percentile(&mut steps, 0.5),
+            "step_ms_p99": percentile(&mut steps, 0.99),
+            "tokens": tokens,
+        }));
+    }
+    let reference = if args.compare { Some(reference(args)?) } else { None };
+    print_table(&rows, reference.as_ref());
+    if args.json {
+        let strip = |rows: &[Value]| -> Vec<Value> {
+            rows.iter()
+                .map(|r| {
+                    let mut r = r.clone();
+                    r.as_object_mut().map(|o| o.remove("tokens"));
+                    r
+                })
+                .collect()
+        };
+        let mut out = json!({ "quince": strip(&rows) });
+        if let Some(reference) = &reference {
+            out["mlx_lm"] = Value::Array(strip(reference_rows(reference)));
+            out["tokens_match"] = json!(tokens_match(&rows, reference));
+        }
+        println!("{out}");
+    }
+    Ok(())
+}
+
+fn reference_rows(reference: &Value) -> &[Value] {
+    reference["rows"].as_array().map(Vec::as_slice).unwrap_or_default()
+}
+
+/// Whether every stream's greedy tokens equal mlx-lm's, at every count both measured.
+fn tokens_match(rows: &[Value], reference: &Value) -> bool {
+    rows.iter().all(|row| {
+        reference_rows(reference)
+            .iter()
+            .find(|r| r["streams"] == row["streams"])
+            .is_some_and(|r| r["tokens"] == row["tokens"])
+    })
+}
+
+fn reference(args: &Args) -> anyhow::Result<Value> {
+    let python = args.python.clone().unwrap_or_else(super::ops::default_python);
+    let streams: Vec<String> = args.streams.iter().map(usize::to_string).collect();
+    let mut command = std::process::Command::new(&python);
+    for var in crate::MLX_SETTINGS.get().into_iter().flatten() {
+        command.env_remove(var);
+    }
+    let output = command
+        .arg("tests/bench/mlx_lm_batch.py")
+        .arg("--model")
+        .arg(&args.model)
+        .args(["--prompt-tokens", &args.prompt_tokens.to_string()])
+        .args(["--gen-tokens", &args.gen_tokens.to_string()])
+        .args(["--streams", &streams.join(",")])
+        .args(["--repeats", &args.repeats.to_string()])
+        .output()
+        .with_context(|| format!("running {} tests/bench/mlx_lm_batch.py", python.display()))?;
+    if !output.status.success() {
+        bail!("mlx-lm's batch benchmark failed: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .context("parsing mlx-lm's batch benchmark JSON")
+}
+
+fn print_table(rows: &[Value], reference: Option<&Value>) {
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    println!("streams  decode tok/s  step p50 ms  step p99 ms   (quince)");
+    for row in rows {
+        print!(
+            "{:>7}  {:>12.1}  {:>11.2}  {:>11.2}",
+            row["streams"],
+            f(&row["decode_tok_s"]),
+            f(&row["step_ms_p50"]),
+            f(&row["step_ms_p99"])
+        );
+        if let Some(r) = reference
+            .and_then(|r| reference_rows(r).iter().find(|r| r["streams"] == row["streams"]))
+        {
+            print!(
+                "   mlx-lm {:>8.1} tok/s  p50 {:>6.2}  p99 {:>6.2}  ratio {:.2}×",
+                f(&r["decode_tok_s"]),
+                f(&r["step_ms_p50"]),
+                f(&r["step_ms_p99"]),
+                f(&row["decode_tok_s"]) / f(&r["decode_tok_s"]).max(f64::MIN_POSITIVE)
+            );
+        }
+        println!();
+    }
+    if let Some(reference) = reference {
+        println!("greedy tokens equal mlx-lm's: {}", tokens_match(rows, reference));
+    }
+}
