@@ -1,16 +1,21 @@
 //! The engine actor: one thread owns the model and every MLX array (MLX streams belong to the
 //! thread that made them); the rest of the app sends it commands and receives events. A reply
-//! is one [`engine::turn::Turn`] answered by [`ChatModel::answer`].
+//! is one [`engine::turn::Turn`]. Replies with plain decoding on a model whose layers all keep
+//! keys and values decode together in one [`TurnBatch`] (each joins after its own prefill and
+//! leaves when it ends), so a second conversation streams while the first does; a reply with
+//! a draft method is answered alone by [`ChatModel::answer`], after the batch.
 
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use engine::LoadOptions;
+use engine::batch::RowId;
 use engine::generate::Flow;
 use engine::kv_file::Identity;
 use engine::tokenizer::Tokenizer;
-use engine::turn::{ChatModel, Drafters, Turn, TurnEvent, TurnOutcome};
+use engine::turn::{ChatModel, Drafters, Turn, TurnBatch, TurnEvent, TurnOutcome};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Error, Result};
@@ -109,7 +114,16 @@ impl Engine {
                 let mut loaded: Option<ChatModel> = None;
                 // The last draft method used, kept loaded for the next reply.
                 let mut drafters = Drafters::new(options.clone());
-                for command in inbox {
+                // Commands that waited for a batch of replies to end, in the order they came.
+                let mut deferred = VecDeque::new();
+                loop {
+                    let command = match deferred.pop_front() {
+                        Some(command) => command,
+                        None => match inbox.recv() {
+                            Ok(command) => command,
+                            Err(_) => break,
+                        },
+                    };
                     match command {
                         Command::Shutdown => break,
                         Command::Load { path, progress, cancel, reply } => {
@@ -126,6 +140,10 @@ impl Engine {
                                     message: "no model is loaded".into(),
                                     kind: ErrorKind::ModelMissing,
                                 });
+                            }
+                            Some(model) if model.batches(&turn) => {
+                                let first = Pending { turn, events, cancel };
+                                serve_together(model, first, &inbox, &mut deferred);
                             }
                             Some(model) => reply(model, &mut drafters, &turn, &events, &cancel),
                         },
@@ -251,6 +269,118 @@ fn info(chat: &ChatModel) -> ModelInfo {
     }
 }
 
+/// A reply waiting to join a batch.
+struct Pending {
+    turn: Box<Turn>,
+    events: mpsc::UnboundedSender<ReplyEvent>,
+    cancel: Arc<AtomicBool>,
+}
+
+/// Answers `first` and every reply that can decode with it ([`ChatModel::batches`]) as they
+/// come, together in one [`TurnBatch`], until none is left. Each joins after its own prefill
+/// and leaves when it ends or is stopped. Checks are answered between steps; any other
+/// command (a load, a reply that decodes alone, shutdown) waits in `deferred` until the batch
+/// is empty, and every command after it waits too, so commands still take effect in the order
+/// they were sent.
+fn serve_together(
+    chat: &ChatModel,
+    first: Pending,
+    inbox: &std::sync::mpsc::Receiver<Command>,
+    deferred: &mut VecDeque<Command>,
+) {
+    let mut together = Together { batch: TurnBatch::new(chat), live: HashMap::new(), next: 0 };
+    together.join(first);
+    // Replies that waited behind the batch's first and can decode with it join now.
+    while let Some(Command::Reply { turn, .. }) = deferred.front()
+        && chat.batches(turn)
+    {
+        if let Some(Command::Reply { turn, events, cancel }) = deferred.pop_front() {
+            together.join(Pending { turn, events, cancel });
+        }
+    }
+    loop {
+        while let Ok(command) = inbox.try_recv() {
+            if !deferred.is_empty() {
+                deferred.push_back(command);
+                continue;
+            }
+            match command {
+                Command::Reply { turn, events, cancel } if chat.batches(&turn) => {
+                    together.join(Pending { turn, events, cancel });
+                }
+                Command::Check { turn, reply } => {
+                    let _ = reply.send(chat.check(&turn).map_err(Error::from));
+                }
+                other => deferred.push_back(other),
+            }
+        }
+        if together.batch.is_empty() || !together.step() {
+            return;
+        }
+    }
+}
+
+/// The replies of [`serve_together`]'s batch and where each one's events go.
+struct Together<'c> {
+    batch: TurnBatch<'c>,
+    live: HashMap<RowId, mpsc::UnboundedSender<ReplyEvent>>,
+    next: RowId,
+}
+
+impl Together<'_> {
+    fn join(&mut self, pending: Pending) {
+        let Pending { turn, events, cancel } = pending;
+        let id = self.next;
+        self.next += 1;
+        let stream = events.clone();
+        let joined = self.batch.join(id, &turn, move |TurnEvent::Token { text, .. }| {
+            if !text.is_empty() {
+                let _ = stream.send(ReplyEvent::Text { text });
+            }
+            if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
+        });
+        match joined {
+            Ok(None) => {
+                self.live.insert(id, events);
+            }
+            Ok(Some(outcome)) => {
+                let _ = events.send(ReplyEvent::Done(Box::new(outcome)));
+            }
+            Err(error) => {
+                let _ = events.send(failed(error.into()));
+            }
+        }
+    }
+
+    /// One step of every reply; `false` when the batched pass failed (every reply in it is
+    /// told, and the batch is over).
+    fn step(&mut self) -> bool {
+        match self.batch.step() {
+            Ok(ended) => {
+                for (id, outcome) in ended {
+                    let Some(events) = self.live.remove(&id) else { continue };
+                    let _ = events.send(match outcome {
+                        Ok(outcome) => ReplyEvent::Done(Box::new(outcome)),
+                        Err(error) => failed(error.into()),
+                    });
+                }
+                true
+            }
+            Err(error) => {
+                let error = Error::from(error);
+                for (_, events) in self.live.drain() {
+                    let _ = events.send(failed(error.clone_message()));
+                }
+                false
+            }
+        }
+    }
+}
+
+fn failed(error: Error) -> ReplyEvent {
+    ReplyEvent::Failed { message: error.to_string(), kind: error.kind() }
+}
+
 fn reply(
     chat: &ChatModel,
     drafters: &mut Drafters,
@@ -266,9 +396,6 @@ fn reply(
     });
     let _ = events.send(match outcome {
         Ok(outcome) => ReplyEvent::Done(Box::new(outcome)),
-        Err(error) => {
-            let error = Error::from(error);
-            ReplyEvent::Failed { message: error.to_string(), kind: error.kind() }
-        }
+        Err(error) => failed(error.into()),
     });
 }

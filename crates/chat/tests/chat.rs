@@ -761,3 +761,88 @@ async fn kv_choices_reach_the_engine_and_the_memory_guard_refuses_before_storing
     let (ok, _) = send(&chat, fresh.id, "Hello", &[]).await;
     assert_eq!(ok.unwrap().state, MessageState::Complete);
 }
+
+/// Two conversations reply at the same time: the second starts streaming while the first is
+/// still streaming (the engine decodes both in one batch), each reply is what it is alone, a
+/// stop ends only its own reply, and the next turn of each resumes from its own checkpoint.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_conversations_stream_at_once_and_each_reply_is_its_own() {
+    let f = fixture();
+    let (chat, a) = ready(&f, 24).await;
+    let b = chat.create_conversation().await.unwrap().id;
+    chat.set_settings(b, &greedy(12)).await.unwrap();
+
+    // Each alone first, in conversations of their own.
+    let alone = |text: &'static str, max_tokens: u32| {
+        let chat = chat.clone();
+        async move {
+            let c = chat.create_conversation().await.unwrap().id;
+            chat.set_settings(c, &greedy(max_tokens)).await.unwrap();
+            send(&chat, c, text, &[]).await.0.unwrap().content
+        }
+    };
+    let want_a = alone("Tell me about the sea.", 24).await;
+    let want_b = alone("What is a quince?", 12).await;
+
+    // What streamed, in order, as (conversation, event) from both replies.
+    let log: Arc<Mutex<Vec<(i64, String)>>> = Arc::default();
+    let record = |c: i64| {
+        let log = log.clone();
+        move |e: StreamEvent| {
+            let kind = match e {
+                StreamEvent::Text { .. } => "text",
+                StreamEvent::Done { .. } => "done",
+                _ => "other",
+            };
+            log.lock().unwrap().push((c, kind.to_string()));
+        }
+    };
+    let first = {
+        let (chat, on) = (chat.clone(), record(a));
+        tokio::spawn(async move { chat.send(a, "Tell me about the sea.", &[], on).await })
+    };
+    // The second is sent once the first streams.
+    while !log.lock().unwrap().iter().any(|(c, k)| *c == a && k == "text") {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let second = chat.send(b, "What is a quince?", &[], record(b)).await.unwrap();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.content, want_a, "the first reply is what it is alone");
+    assert_eq!(second.content, want_b, "the second reply is what it is alone");
+    let log = log.lock().unwrap().clone();
+    let a_done = log.iter().position(|(c, k)| *c == a && k == "done");
+    let b_text = log.iter().position(|(c, k)| *c == b && k == "text").unwrap();
+    // The first's Done event goes out after the stored reply is saved; without batching the
+    // second would not stream before the first had finished.
+    assert!(a_done.is_none_or(|done| b_text < done), "the replies overlapped: {log:?}");
+    let a_texts_after = log[b_text..].iter().filter(|(c, k)| *c == a && k == "text").count();
+    assert!(a_texts_after > 0, "the first kept streaming while the second did: {log:?}");
+
+    // Stopping one reply leaves the other running to its end.
+    chat.set_settings(a, &greedy(4000)).await.unwrap();
+    let streamed = Arc::new(AtomicUsize::new(0));
+    let long = {
+        let (chat, streamed) = (chat.clone(), streamed.clone());
+        tokio::spawn(async move {
+            chat.send(a, "And a very long story now.", &[], move |e| {
+                if matches!(e, StreamEvent::Text { .. }) {
+                    streamed.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+            .await
+        })
+    };
+    while streamed.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let short = chat.send(b, "One more?", &[], |_| {}).await.unwrap();
+    assert_eq!(short.state, MessageState::Complete);
+    let during = streamed.load(Ordering::SeqCst);
+    assert!(chat.stop(a), "the long reply still runs after the short one ended");
+    let long = long.await.unwrap().unwrap();
+    assert_eq!(long.state, MessageState::Stopped);
+    assert!(during > 1, "the long reply streamed while the short one did");
+    // The next turns resume from each conversation's own checkpoint.
+    let (next, _) = send(&chat, b, "Thanks.", &[]).await;
+    assert!(next.unwrap().stats.unwrap().reused_tokens > 0, "b resumed from its checkpoint");
+}

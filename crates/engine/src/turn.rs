@@ -18,6 +18,7 @@
 //! It returns a [`TurnOutcome`]: the reply and one [`TurnStats`], whose [`StopReason`] and
 //! [`SpecStats`] front ends show as they are.
 
+mod batch;
 mod drafters;
 mod prompt;
 mod resume;
@@ -27,16 +28,17 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+pub use batch::TurnBatch;
 pub use drafters::Drafters;
 
 use crate::cache::{KvOptions, stack_offset};
 use crate::error::{Error, Result};
-use crate::generate::{Flow, GenerateRequest, StopReason, generate};
+use crate::generate::{Flow, GenerateRequest, Generation, StopReason, generate};
 use crate::kv_file::{self, Identity};
 use crate::models::Model;
 use crate::options::LoadOptions;
 use crate::sampling::SamplingParams;
-use crate::speculative::{self, DraftLength, SpecStats, Speculation};
+use crate::speculative::{self, DraftLength, DraftMethod, SpecStats, Speculation};
 use crate::tokenizer::{TemplateOptions, TextStream, Tokenizer};
 
 /// A model ready to answer turns: its weights, its tokenizer (absent for a checkpoint without
@@ -241,6 +243,87 @@ pub struct TurnOutcome {
     pub rejected: Vec<(i64, String)>,
 }
 
+/// A turn [`ChatModel::open`] set up: everything [`ChatModel::close`] needs after the reply.
+struct Opened {
+    /// When the turn began (TTFT counts from here).
+    started: Instant,
+    /// The whole prompt, images expanded.
+    prompt: Vec<u32>,
+    prepared: Vec<crate::vision::PreparedImage>,
+    stop_tokens: Vec<u32>,
+    /// Candidates found damaged or foreign.
+    rejected: Vec<(i64, String)>,
+    restore_ms: f64,
+    /// The candidate restored and what its file held.
+    resumed: Option<(i64, kv_file::Contents)>,
+    /// The caches (moved into a batch while the turn decodes in one).
+    caches: Vec<Box<dyn crate::cache::Cache>>,
+    /// Prompt positions restored.
+    reused: usize,
+    /// What generation appends and decodes.
+    request: GenerateRequest,
+    /// The state at the prompt's history end, for state that cannot be trimmed.
+    prompt_state: Option<(Vec<u32>, Vec<crate::cache::CacheState>)>,
+    early_prefill_s: f64,
+}
+
+/// The reply's text as its tokens stream: each token's piece, stop strings watched, the first
+/// token's time.
+struct ReplyText<'t> {
+    stream: Option<TextStream<'t>>,
+    text: String,
+    started: Instant,
+    first_token: Option<std::time::Duration>,
+    failed: Option<Error>,
+}
+
+impl<'t> ReplyText<'t> {
+    fn new(chat: &'t ChatModel, turn: &Turn, started: Instant) -> ReplyText<'t> {
+        ReplyText {
+            stream: chat.tokenizer.as_ref().map(|t| TextStream::new(t, turn.stop_strings.clone())),
+            text: String::new(),
+            started,
+            first_token: None,
+            failed: None,
+        }
+    }
+
+    /// Streams `token` to `on_event` with its text; [`Flow::Stop`] when a stop string ended
+    /// the reply, the text could not be decoded, or `on_event` asked to stop.
+    fn push(
+        &mut self,
+        token: u32,
+        stop_tokens: &[u32],
+        on_event: &mut dyn FnMut(TurnEvent) -> Flow,
+    ) -> Flow {
+        let started = self.started;
+        self.first_token.get_or_insert_with(|| started.elapsed());
+        let mut flow = Flow::Continue;
+        let mut piece = String::new();
+        if !stop_tokens.contains(&token)
+            && let Some(stream) = self.stream.as_mut()
+        {
+            match stream.push(token) {
+                Ok((fresh, stopped)) => {
+                    piece = fresh;
+                    if stopped {
+                        flow = Flow::Stop;
+                    }
+                }
+                Err(e) => {
+                    self.failed = Some(e);
+                    flow = Flow::Stop;
+                }
+            }
+        }
+        self.text.push_str(&piece);
+        if on_event(TurnEvent::Token { id: token, text: piece }) == Flow::Stop {
+            flow = Flow::Stop;
+        }
+        flow
+    }
+}
+
 /// A turn [`ChatModel::admit`] let through: its images, its prompt, the reply's length, the
 /// caches' plan.
 struct Admitted {
@@ -356,6 +439,45 @@ impl ChatModel {
         drafters: &mut Drafters,
         mut on_event: impl FnMut(TurnEvent) -> Flow,
     ) -> Result<TurnOutcome> {
+        let mut opened = self.open(turn)?;
+        let model = self.model();
+        let mut method = drafters.method(self, &turn.speculation)?;
+        if let (Some(m), Some((_, contents))) = (method.as_deref_mut(), &opened.resumed) {
+            // The method's own state kept with the checkpoint (a draft model's caches).
+            m.resume(&contents.attachments, &contents.tokens)?;
+        }
+        let mut reply = ReplyText::new(self, turn, opened.started);
+        let stop_tokens = opened.stop_tokens.clone();
+        let on_token = |token| reply.push(token, &stop_tokens, &mut on_event);
+        let context_len = opened.prompt.len() - opened.request.prompt.len();
+        let (generation, spec) = match method.as_deref_mut() {
+            Some(method) => {
+                let (generation, spec) = speculative::generate(
+                    model,
+                    &mut opened.caches,
+                    &opened.prompt[..context_len],
+                    &opened.request,
+                    method,
+                    turn.draft_length,
+                    on_token,
+                )?;
+                (generation, Some(spec))
+            }
+            None => (generate(model, &mut opened.caches, &opened.request, on_token)?, None),
+        };
+        self.close(turn, opened, generation, spec, reply, method)
+    }
+
+    /// Whether [`TurnBatch`] takes `turn`: plain decoding (a draft method verifies one
+    /// sequence's drafts) on a model whose every layer keeps keys and values.
+    pub fn batches(&self, turn: &Turn) -> bool {
+        turn.speculation == Speculation::Off && self.model().cache_plan().attention_only()
+    }
+
+    /// What [`ChatModel::answer`] does before the first token: the turn admitted, its prompt
+    /// rendered, the best checkpoint restored, the request made (and, for state that cannot be
+    /// trimmed, the prompt's history prefilled).
+    fn open(&self, turn: &Turn) -> Result<Opened> {
         // TTFT counts everything from here: images, template, the checkpoint read, the prefill.
         let started = Instant::now();
         let model = self.model();
@@ -400,60 +522,35 @@ impl ChatModel {
             _ => None,
         };
         let early_prefill_s = prefill_started.elapsed().as_secs_f64();
-        let context_len = prompt.len() - request.prompt.len();
+        Ok(Opened {
+            started,
+            prompt,
+            prepared,
+            stop_tokens,
+            rejected,
+            restore_ms,
+            resumed: resumed.from,
+            caches,
+            reused,
+            request,
+            prompt_state,
+            early_prefill_s,
+        })
+    }
 
-        let mut method = drafters.method(self, &turn.speculation)?;
-        if let (Some(m), Some((_, contents))) = (method.as_deref_mut(), &resumed.from) {
-            // The method's own state kept with the checkpoint (a draft model's caches).
-            m.resume(&contents.attachments, &contents.tokens)?;
-        }
-
-        let mut stream =
-            self.tokenizer.as_ref().map(|t| TextStream::new(t, turn.stop_strings.clone()));
-        let mut text = String::new();
-        let mut first_token = None;
-        let mut failed = None;
-        let on_token = |token| {
-            first_token.get_or_insert_with(|| started.elapsed());
-            let mut flow = Flow::Continue;
-            let mut piece = String::new();
-            if !stop_tokens.contains(&token)
-                && let Some(stream) = stream.as_mut()
-            {
-                match stream.push(token) {
-                    Ok((fresh, stopped)) => {
-                        piece = fresh;
-                        if stopped {
-                            flow = Flow::Stop;
-                        }
-                    }
-                    Err(e) => {
-                        failed = Some(e);
-                        flow = Flow::Stop;
-                    }
-                }
-            }
-            text.push_str(&piece);
-            if on_event(TurnEvent::Token { id: token, text: piece }) == Flow::Stop {
-                flow = Flow::Stop;
-            }
-            flow
-        };
-        let (generation, spec) = match method.as_deref_mut() {
-            Some(method) => {
-                let (generation, spec) = speculative::generate(
-                    model,
-                    &mut caches,
-                    &prompt[..context_len],
-                    &request,
-                    method,
-                    turn.draft_length,
-                    on_token,
-                )?;
-                (generation, Some(spec))
-            }
-            None => (generate(model, &mut caches, &request, on_token)?, None),
-        };
+    /// What [`ChatModel::answer`] does after the last token: the checkpoint written at the
+    /// turn's boundary (with the draft method's state), the statistics.
+    fn close(
+        &self,
+        turn: &Turn,
+        opened: Opened,
+        generation: Generation,
+        spec: Option<SpecStats>,
+        reply: ReplyText<'_>,
+        method: Option<&mut dyn DraftMethod>,
+    ) -> Result<TurnOutcome> {
+        let Opened { prompt, prepared, mut caches, prompt_state, .. } = opened;
+        let ReplyText { text, first_token, failed, .. } = reply;
         if let Some(e) = failed {
             return Err(e);
         }
@@ -518,6 +615,7 @@ impl ChatModel {
             None => None,
         };
         let s = &generation.stats;
+        let reused = opened.reused;
         let kv_bytes =
             caches.iter().map(|c| c.bytes_per_token() * c.stored_positions()).sum::<usize>();
         let stats = TurnStats {
@@ -529,12 +627,13 @@ impl ChatModel {
             prefill_tok_s: match prompt_state {
                 // The prompt was prefilled in two steps: up to where its history ends, then the rest.
                 Some(_) if s.prefill_tok_s > 0.0 => {
-                    (prompt.len() - reused) as f64 / (early_prefill_s + 1.0 / s.prefill_tok_s)
+                    (prompt.len() - reused) as f64
+                        / (opened.early_prefill_s + 1.0 / s.prefill_tok_s)
                 }
                 _ => s.prefill_tok_s,
             },
             decode_tok_s: s.decode_tok_s,
-            restore_ms,
+            restore_ms: opened.restore_ms,
             peak_mem_bytes: s.peak_mem_bytes as u64,
             kv_bytes: kv_bytes as u64,
             kv_storage: kv_file::stack_signature(&caches),
@@ -544,9 +643,9 @@ impl ChatModel {
             tokens: generation.tokens,
             text,
             stats,
-            resumed_from: resumed.from.map(|(id, _)| id),
+            resumed_from: opened.resumed.map(|(id, _)| id),
             checkpoint,
-            rejected,
+            rejected: opened.rejected,
         })
     }
 }

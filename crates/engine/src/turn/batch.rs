@@ -1,0 +1,138 @@
+//! Turns answered together: each turn is opened as [`ChatModel::answer`] opens it (rendered,
+//! restored from its checkpoint, its images encoded), joins a [`Batch`] after its own prefill,
+//! decodes among the others, and is closed as `answer` closes it (its checkpoint written at
+//! the turn's boundary). What each turn streams and returns is what `answer` gives it alone.
+
+use std::collections::HashMap;
+
+use super::{ChatModel, Opened, ReplyText, Turn, TurnEvent, TurnOutcome};
+use crate::batch::{Batch, BatchEvent, Finished, RowId};
+use crate::error::{Error, Result};
+use crate::generate::Flow;
+
+/// The callback a turn streams its events to; [`Flow::Stop`] ends the turn after that token.
+type OnEvent<'c> = Box<dyn FnMut(TurnEvent) -> Flow + 'c>;
+
+/// A turn decoding in the batch.
+struct Row<'c> {
+    turn: Turn,
+    opened: Opened,
+    reply: ReplyText<'c>,
+    on_event: OnEvent<'c>,
+}
+
+/// Turns of one model decoding together. See the module docs.
+pub struct TurnBatch<'c> {
+    chat: &'c ChatModel,
+    batch: Batch<'c>,
+    rows: HashMap<RowId, Row<'c>>,
+}
+
+impl std::fmt::Debug for TurnBatch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TurnBatch").field("rows", &self.batch.ids()).finish()
+    }
+}
+
+impl<'c> TurnBatch<'c> {
+    /// No turns yet.
+    pub fn new(chat: &'c ChatModel) -> TurnBatch<'c> {
+        TurnBatch { chat, batch: Batch::new(chat.model()), rows: HashMap::new() }
+    }
+
+    /// Turns decoding now.
+    pub fn len(&self) -> usize {
+        self.batch.len()
+    }
+
+    /// Whether no turn is decoding.
+    pub fn is_empty(&self) -> bool {
+        self.batch.is_empty()
+    }
+
+    /// Opens `turn`, prefills it alone and streams its first token to `on_event`; the turn then
+    /// decodes with the others at each [`TurnBatch::step`]. Returns its outcome when it ended
+    /// with its first token. A turn the batch does not take ([`ChatModel::batches`]) or that
+    /// fails to open (an unreadable image, a prompt over the context) is refused, and the
+    /// other turns are unaffected.
+    pub fn join(
+        &mut self,
+        id: RowId,
+        turn: &Turn,
+        on_event: impl FnMut(TurnEvent) -> Flow + 'c,
+    ) -> Result<Option<TurnOutcome>> {
+        if !self.chat.batches(turn) {
+            return Err(Error::InvalidRequest(
+                "this turn decodes alone (a draft method, or state other than keys and values)"
+                    .into(),
+            ));
+        }
+        if self.rows.contains_key(&id) {
+            return Err(Error::InvalidRequest(format!("turn {id} is already in the batch")));
+        }
+        let mut opened = self.chat.open(turn)?;
+        let caches = std::mem::take(&mut opened.caches);
+        let reply = ReplyText::new(self.chat, turn, opened.started);
+        let row = Row { turn: turn.clone(), opened, reply, on_event: Box::new(on_event) };
+        let request = row.opened.request.clone();
+        self.rows.insert(id, row);
+        let events = match self.batch.join(id, caches, &request) {
+            Ok(events) => events,
+            Err(e) => {
+                self.rows.remove(&id);
+                return Err(e);
+            }
+        };
+        let mut outcomes = self.route(events)?;
+        outcomes.pop().map(|(_, outcome)| outcome).transpose()
+    }
+
+    /// One decode step for every turn; returns the turns that ended, each with its outcome
+    /// (or what failed in closing it). An error here is the batch's own (the forward pass
+    /// failed): every turn in it is lost, and the caller fails them all ([`TurnBatch::ids`]).
+    pub fn step(&mut self) -> Result<Vec<(RowId, Result<TurnOutcome>)>> {
+        let events = self.batch.step()?;
+        self.route(events)
+    }
+
+    /// The turns decoding, in row order.
+    pub fn ids(&self) -> Vec<RowId> {
+        self.batch.ids()
+    }
+
+    /// Streams each token to its turn, ends the turns that asked to stop, and closes the turns
+    /// that ended.
+    fn route(&mut self, events: Vec<BatchEvent>) -> Result<Vec<(RowId, Result<TurnOutcome>)>> {
+        let mut stopped = Vec::new();
+        let mut ended = Vec::new();
+        for event in events {
+            match event {
+                BatchEvent::Token { id, token } => {
+                    let Some(row) = self.rows.get_mut(&id) else { continue };
+                    let stop_tokens = &row.opened.stop_tokens;
+                    if row.reply.push(token, stop_tokens, row.on_event.as_mut()) == Flow::Stop {
+                        stopped.push(id);
+                    }
+                }
+                BatchEvent::Finished(finished) => ended.push(finished),
+            }
+        }
+        for id in stopped {
+            // A row that ended in the same step has left already.
+            if let Some(finished) = self.batch.cancel(id)? {
+                ended.push(finished);
+            }
+        }
+        Ok(ended.into_iter().map(|finished| (finished.id, self.close(finished))).collect())
+    }
+
+    fn close(&mut self, finished: Finished) -> Result<TurnOutcome> {
+        let Finished { id, generation, caches } = finished;
+        let mut row = self
+            .rows
+            .remove(&id)
+            .ok_or_else(|| Error::InvalidRequest(format!("no turn {id} in the batch")))?;
+        row.opened.caches = caches;
+        self.chat.close(&row.turn, row.opened, generation, None, row.reply, None)
+    }
+}
