@@ -1,6 +1,7 @@
 //! Messages sent while a model loads: stored at once, answered when the load ends, and kept
-//! (for a retry) when it fails or is cancelled. A load waits for the replies in flight to end, so a
-//! long reply in another conversation holds the load in its queue for as long as a test needs.
+//! (for a retry) when it fails or is cancelled. A load waits for the replies in flight to end,
+//! so a long reply in another conversation holds the load in the engine's queue for as long as
+//! a test needs.
 #![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
 use std::path::{Path, PathBuf};
