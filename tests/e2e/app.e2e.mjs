@@ -299,6 +299,56 @@ async function main() {
     const chatted = await waitForReply(s, 1);
     assert.equal(last(chatted, "assistant").state, "complete");
     await shot(s, "downloaded-model-chat");
+
+    // Two conversations reply at the same time (the engine decodes both in one batch): a long
+    // reply streams in a new chat while the previous chat asks and gets a short one; the
+    // sidebar marks each chat that is replying. The downloaded model is the untrained demo,
+    // whose replies run to their token limit.
+    const shortChat = (await view(s)).conversations.length;
+    await (await s.find('[data-testid="new-chat"]')).click();
+    await s.waitForElement('[data-testid="empty-state"]');
+    await setMaxTokens(s, 4000);
+    await send(s, "Tell me a very long story.");
+    await s.waitFor("the long reply to stream", async () => {
+      const v = await view(s);
+      return v.streaming && last(v, "assistant")?.text.length > 0;
+    }, 60000, 20);
+    const replying = () =>
+      s.execute(`return [...document.querySelectorAll('[data-testid="conversation-item"]')]
+        .filter((c) => c.dataset.streaming === 'true').map((c) => c.innerText.trim().split('\\n')[0]);`);
+    const LONG = "Tell me a very long story.";
+    const SHORT = "Hello from a downloaded model.";
+    assert.deepEqual(await replying(), [LONG]);
+    const chat = async (title) => {
+      for (const item of await s.findAll('[data-testid="conversation-item"]')) {
+        if ((await item.text()).trim().split("\n")[0] === title) return item;
+      }
+      throw new Error(`no chat titled ${title}`);
+    };
+    assert.equal((await s.findAll('[data-testid="conversation-item"]')).length, shortChat + 1);
+    await (await chat(SHORT)).click();
+    await waitForView(s, "the previous chat", (v) => v.messages[0]?.text === SHORT && !v.streaming);
+    await send(s, "And a short one?");
+    const both = await s.waitFor("a reply in the second chat while the first streams", async () => {
+      const v = await view(s);
+      const reply = last(v, "assistant");
+      return v.messages.length === 4 && v.streaming && reply.text.length > 0 ? v : null;
+    }, 60000, 20);
+    assert.deepEqual((await replying()).sort(), [LONG, SHORT].sort(), JSON.stringify(both));
+    await shot(s, "two-chats-replying");
+    const short = await waitForReply(s, 2);
+    assert.equal(last(short, "assistant").state, "complete");
+    assert.deepEqual(await replying(), [LONG], "the long reply still streams");
+    await (await chat(LONG)).click();
+    await s.waitFor("the long reply, still streaming", async () => {
+      const v = await view(s);
+      return v.messages[0]?.text === LONG && v.streaming;
+    });
+    await (await s.find('[data-testid="stop-button"]')).click();
+    const long = await waitForReply(s, 1, 30000);
+    assert.equal(last(long, "assistant").state, "stopped");
+    assert.deepEqual(await replying(), []);
+    await shot(s, "long-reply-stopped");
   } finally {
     await s.quit();
   }

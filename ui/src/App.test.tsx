@@ -117,6 +117,70 @@ describe("App", () => {
     await waitFor(() => expect(screen.getByTestId("conversation-title").textContent).toBe("Say hi"));
   });
 
+  it("lets another conversation send while one is still replying, and marks each that replies", async () => {
+    const convs: Record<number, ConversationDetail> = { 1: makeDetail(1, []), 2: makeDetail(2, []) };
+    convs[1] = { ...convs[1], title: "First" };
+    convs[2] = { ...convs[2], title: "Second" };
+    handlers.set("list_conversations", () =>
+      [2, 1].map((id) => ({ id, title: convs[id].title, model_id: null, updated_at: id })),
+    );
+    handlers.set("get_conversation", (a) => convs[(a as { id: number }).id]);
+    let finishFirst: () => void = () => {};
+    handlers.set("send_message", async (a) => {
+      const { conversationId, text, onEvent } = a as {
+        conversationId: number;
+        text: string;
+        onEvent: { onmessage: (e: StreamEvent) => void };
+      };
+      const user = msg({ id: 10 * conversationId, role: "user", content: text });
+      const reply = msg({ id: 10 * conversationId + 1, parent_id: user.id, role: "assistant", state: "streaming" });
+      onEvent.onmessage({ kind: "started", user, reply });
+      onEvent.onmessage({ kind: "text", text: `reply ${conversationId}` });
+      if (conversationId === 1) await new Promise<void>((resolve) => (finishFirst = resolve));
+      const final: ThreadMessage = { ...reply, state: "complete", content: `reply ${conversationId}` };
+      convs[conversationId] = { ...convs[conversationId], messages: [user, final] };
+      return final;
+    });
+    const sendText = async (text: string) => {
+      const input = screen.getByTestId("composer-input");
+      fireEvent.change(input, { target: { value: text } });
+      await act(async () => {
+        fireEvent.keyDown(input, { key: "Enter" });
+      });
+    };
+    render(<App />);
+    await waitFor(() => expect(screen.getByTestId("model-status").textContent).toBe("Demo (untrained)"));
+    const item = (id: number) =>
+      screen.getAllByTestId("conversation-item").find((e) => e.getAttribute("data-id") === String(id))!;
+    await act(async () => {
+      fireEvent.click(item(1));
+    });
+    await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("false"));
+    await sendText("Write a long story.");
+    await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("true"));
+    expect(item(1).getAttribute("data-streaming")).toBe("true");
+
+    // The other conversation is free to send while the first still replies.
+    await act(async () => {
+      fireEvent.click(item(2));
+    });
+    await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("false"));
+    await sendText("A short question.");
+    await waitFor(() => expect(screen.getAllByTestId("message")).toHaveLength(2));
+    expect(screen.getAllByTestId("message-content")[1].textContent).toBe("reply 2");
+    expect(item(1).getAttribute("data-streaming")).toBe("true");
+    expect(item(2).getAttribute("data-streaming")).toBeNull();
+
+    // Back in the first, its reply is still streaming, then ends.
+    await act(async () => {
+      fireEvent.click(item(1));
+    });
+    await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("true"));
+    await act(async () => finishFirst());
+    await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("false"));
+    expect(item(1).getAttribute("data-streaming")).toBeNull();
+  });
+
   it("shows command errors in a dismissible banner", async () => {
     handlers.set("send_message", () => {
       throw { kind: "prompt_too_long", message: "The prompt is too long for this model" };

@@ -13,7 +13,7 @@ import type {
 } from "./ipc/bindings";
 import * as api from "./ipc/commands";
 import { Channel, errorKind, errorMessage } from "./ipc/commands";
-import { actionFromEvent, chatReducer, initialChatState, isStreamingHere } from "./state/stream";
+import { actionFromEvent, chatReducer, inFlightHere, initialChatState, streamingConversations } from "./state/stream";
 import { addAttachment, partitionFiles, removeAttachment, visionRefusal } from "./state/attachments";
 import { useDownloads } from "./state/useDownloads";
 import { Sidebar } from "./components/Sidebar";
@@ -50,8 +50,9 @@ export function App() {
   const queryRef = useRef(query);
   queryRef.current = query;
 
-  const streamingHere = isStreamingHere(chat);
-  const busy = chat.inFlight !== null;
+  // Each conversation has at most one reply in flight; others stream at the same time.
+  const here = inFlightHere(chat);
+  const streamingHere = here !== null;
   const refusal = visionRefusal(loading ? null : models.loaded);
 
   const showError = useCallback((e: unknown) => setError(errorMessage(e)), []);
@@ -203,7 +204,7 @@ export function App() {
   );
 
   const send = useCallback(async () => {
-    if (busy) return;
+    if (streamingHere) return;
     const body = text;
     const files = pending.map((a) => a.file);
     if (!body.trim() && files.length === 0) return;
@@ -232,10 +233,10 @@ export function App() {
       setText((now) => (now === "" ? body : now));
       setPending((now) => (now.length === 0 ? attached : now));
     }
-  }, [busy, text, pending, runStream, showError]);
+  }, [streamingHere, text, pending, runStream, showError]);
 
   const stop = useCallback(async () => {
-    const inFlight = chat.inFlight;
+    const inFlight = here;
     if (inFlight === null) return;
     try {
       // The generation is named once its reply is stored (`started`); a reply still waiting
@@ -245,33 +246,33 @@ export function App() {
     } catch (e) {
       showError(e);
     }
-  }, [chat.inFlight, showError]);
+  }, [here, showError]);
 
   const retry = useCallback(
     (messageId: number) => {
       const id = selectedRef.current;
-      if (id === null || busy) return;
+      if (id === null || streamingHere) return;
       void runStream(id, (ch) => api.answerMessage(messageId, ch));
     },
-    [busy, runStream],
+    [streamingHere, runStream],
   );
 
   const regenerate = useCallback(
     (messageId: number) => {
       const id = selectedRef.current;
-      if (id === null || busy) return;
+      if (id === null || streamingHere) return;
       void runStream(id, (ch) => api.regenerate(messageId, ch));
     },
-    [busy, runStream],
+    [streamingHere, runStream],
   );
 
   const edit = useCallback(
     async (messageId: number, newText: string) => {
       const id = selectedRef.current;
-      if (id === null || busy) return true;
+      if (id === null || streamingHere) return true;
       return runStream(id, (ch) => api.editMessage(messageId, newText, ch));
     },
-    [busy, runStream],
+    [streamingHere, runStream],
   );
 
   const switchBranch = useCallback(
@@ -436,19 +437,20 @@ export function App() {
       if ((e.ctrlKey || e.metaKey) && !e.shiftKey && !e.altKey && e.key.toLowerCase() === "n") {
         e.preventDefault();
         void newChat();
-      } else if (e.key === "Escape" && !modalOpen && !e.defaultPrevented && chat.inFlight) {
+      } else if (e.key === "Escape" && !modalOpen && !e.defaultPrevented && here) {
         e.preventDefault();
         void stop();
       }
     };
     window.addEventListener("keydown", onKey);
     return () => window.removeEventListener("keydown", onKey);
-  }, [newChat, stop, modalOpen, chat.inFlight]);
+  }, [newChat, stop, modalOpen, here]);
 
   return (
     <div className="app">
       <Sidebar
         conversations={conversations}
+        streaming={streamingConversations(chat)}
         selectedId={selectedId}
         query={query}
         onQueryChange={setQuery}
@@ -495,7 +497,7 @@ export function App() {
         <ChatView
           detail={chat.detail}
           streaming={streamingHere}
-          busy={busy}
+          busy={streamingHere}
           visionRefusal={refusal}
           onFiles={(files) => void addFiles(files)}
           onRefused={setAttachError}
@@ -503,7 +505,7 @@ export function App() {
           onEdit={edit}
           onSwitchBranch={(id) => void switchBranch(id)}
           onRetry={retry}
-          waiting={streamingHere ? (chat.inFlight?.waiting ?? null) : null}
+          waiting={here?.waiting ?? null}
           composer={
             <Composer
               ref={composerRef}
@@ -515,7 +517,6 @@ export function App() {
               onDismissAttachError={() => setAttachError(null)}
               visionRefusal={refusal}
               streaming={streamingHere}
-              blocked={busy && !streamingHere}
               onSend={() => void send()}
               onStop={() => void stop()}
               onFiles={(files) => void addFiles(files)}

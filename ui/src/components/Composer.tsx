@@ -17,8 +17,6 @@ export const Composer = forwardRef<
     /** Why images are refused now (no vision), or null. */
     visionRefusal: string | null;
     streaming: boolean;
-    /** A reply streams in another conversation: sending must wait. */
-    blocked: boolean;
     onSend: () => void;
     onStop: () => void;
     onFiles: (files: File[]) => void;
@@ -34,7 +32,6 @@ export const Composer = forwardRef<
     onDismissAttachError,
     visionRefusal,
     streaming,
-    blocked,
     onSend,
     onStop,
     onFiles,
@@ -52,7 +49,7 @@ export const Composer = forwardRef<
     el.style.height = `${Math.min(el.scrollHeight, 240)}px`;
   }, [text]);
 
-  const canSend = !streaming && !blocked && importing === 0 && (text.trim().length > 0 || attachments.length > 0);
+  const canSend = !streaming && importing === 0 && (text.trim().length > 0 || attachments.length > 0);
 
   return (
     <div className="composer-wrap">
@@ -143,7 +140,7 @@ export const Composer = forwardRef<
               data-testid="send-button"
               disabled={!canSend}
               onClick={onSend}
-              title={blocked ? "Another chat is still replying" : "Send (Enter)"}
+              title="Send (Enter)"
             >
               Send
             </button>

@@ -4,12 +4,15 @@ import type { ConversationSummary } from "../ipc/bindings";
 function ConversationItem({
   conv,
   selected,
+  streaming,
   onSelect,
   onRename,
   onDelete,
 }: {
   conv: ConversationSummary;
   selected: boolean;
+  /** A reply is being written in this conversation. */
+  streaming: boolean;
   onSelect: () => void;
   onRename: (title: string) => void;
   onDelete: () => void;
@@ -37,6 +40,7 @@ function ConversationItem({
       className={`conv-item${selected ? " selected" : ""}`}
       data-testid="conversation-item"
       data-id={conv.id}
+      data-streaming={streaming ? "true" : undefined}
       aria-current={selected ? "true" : undefined}
       onClick={() => !editing && onSelect()}
     >
@@ -66,6 +70,9 @@ function ConversationItem({
         <>
           <div className="conv-text">
             <span className="conv-title" data-testid="conversation-title" title={conv.title}>
+              {streaming ? (
+                <span className="conv-streaming" data-testid="conversation-streaming" title="Replying…" aria-label="Replying" />
+              ) : null}
               {conv.title || "Untitled"}
             </span>
           </div>
@@ -106,6 +113,7 @@ function ConversationItem({
 
 export function Sidebar({
   conversations,
+  streaming,
   selectedId,
   query,
   onQueryChange,
@@ -115,6 +123,8 @@ export function Sidebar({
   onDelete,
 }: {
   conversations: ConversationSummary[];
+  /** Conversations with a reply being written (several stream at once). */
+  streaming: number[];
   selectedId: number | null;
   query: string;
   onQueryChange: (q: string) => void;
@@ -154,6 +164,7 @@ export function Sidebar({
               key={c.id}
               conv={c}
               selected={c.id === selectedId}
+              streaming={streaming.includes(c.id)}
               onSelect={() => onSelect(c.id)}
               onRename={(t) => onRename(c.id, t)}
               onDelete={() => onDelete(c)}

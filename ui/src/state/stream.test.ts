@@ -1,5 +1,12 @@
 import { describe, expect, it } from "vitest";
-import { actionFromEvent, chatReducer, initialChatState, isStreamingHere, type ChatState } from "./stream";
+import {
+  actionFromEvent,
+  chatReducer,
+  initialChatState,
+  isStreamingHere,
+  streamingConversations,
+  type ChatState,
+} from "./stream";
 import { detail, msg } from "./testdata";
 
 function loaded(d = detail(1)): ChatState {
@@ -23,7 +30,7 @@ describe("chatReducer", () => {
 
   it("sending marks a reply in flight before started arrives", () => {
     const s = chatReducer(loaded(), { type: "sending", conversationId: 1 });
-    expect(s.inFlight).toEqual({ conversationId: 1, replyId: null, waiting: null, userStored: false });
+    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: null, waiting: null, userStored: false });
     expect(isStreamingHere(s)).toBe(true);
   });
 
@@ -32,14 +39,14 @@ describe("chatReducer", () => {
     const progress = { model: "Demo", stage: "Warming up", done: 2, total: 3 };
     s = chatReducer(s, actionFromEvent(1, { kind: "waiting", user, ...progress }));
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10]);
-    expect(s.inFlight).toEqual({ conversationId: 1, replyId: null, waiting: progress, userStored: true });
+    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: null, waiting: progress, userStored: true });
     // Later stages repeat the user message: it is shown once.
     s = chatReducer(s, { type: "waiting", conversationId: 1, user, waiting: { ...progress, done: 3 } });
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10]);
-    expect(s.inFlight?.waiting?.done).toBe(3);
+    expect(s.inFlight[1]?.waiting?.done).toBe(3);
     s = chatReducer(s, { type: "started", conversationId: 1, user, reply: placeholder });
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10, 11]);
-    expect(s.inFlight).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true });
+    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true });
   });
 
   it("a failed wait keeps the stored user message and clears the reply in flight", () => {
@@ -47,7 +54,7 @@ describe("chatReducer", () => {
     s = chatReducer(s, { type: "waiting", conversationId: 1, user, waiting: { model: "M", stage: "", done: 0, total: 3 } });
     s = chatReducer(s, { type: "failed", conversationId: 1, message: "M did not load", reply: null });
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10]);
-    expect(s.inFlight).toBeNull();
+    expect(s.inFlight).toEqual({});
     expect(s.error).toBe("M did not load");
   });
 
@@ -55,7 +62,7 @@ describe("chatReducer", () => {
     const s = started();
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10, 11]);
     expect(s.detail?.messages[1].state).toBe("streaming");
-    expect(s.inFlight).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true });
+    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true });
   });
 
   it("started with a null user (regenerate) branches off the reply's parent", () => {
@@ -112,7 +119,7 @@ describe("chatReducer", () => {
     });
     s = chatReducer(s, { type: "done", conversationId: 1, reply: final });
     expect(s.detail?.messages[1]).toEqual(final);
-    expect(s.inFlight).toBeNull();
+    expect(s.inFlight).toEqual({});
     expect(isStreamingHere(s)).toBe(false);
   });
 
@@ -125,7 +132,7 @@ describe("chatReducer", () => {
     expect(r.state).toBe("error");
     expect(r.error).toBe("out of memory");
     expect(s.error).toBe("out of memory");
-    expect(s.inFlight).toBeNull();
+    expect(s.inFlight).toEqual({});
   });
 
   it("failed with a stored reply takes its error state", () => {
@@ -139,7 +146,7 @@ describe("chatReducer", () => {
   it("failed before started clears the in-flight marker", () => {
     let s = chatReducer(loaded(), { type: "sending", conversationId: 1 });
     s = chatReducer(s, { type: "failed", conversationId: 1, message: "busy", reply: null });
-    expect(s.inFlight).toBeNull();
+    expect(s.inFlight).toEqual({});
     expect(s.error).toBe("busy");
     expect(s.detail?.messages).toEqual([]);
   });
@@ -149,7 +156,7 @@ describe("chatReducer", () => {
     s = chatReducer(s, { type: "text", conversationId: 1, text: "so far" });
     s = chatReducer(s, { type: "stopped", conversationId: 1 });
     expect(s.detail!.messages[1]).toMatchObject({ content: "so far", state: "stopped" });
-    expect(s.inFlight).toBeNull();
+    expect(s.inFlight).toEqual({});
   });
 
   it("events for another conversation are ignored", () => {
@@ -177,7 +184,30 @@ describe("chatReducer", () => {
     expect(s.detail).toBe(shown);
     s = chatReducer(s, { type: "done", conversationId: 1, reply: msg({ id: 11, role: "assistant" }) });
     expect(s.detail).toBe(shown);
-    expect(s.inFlight).toBeNull();
+    expect(s.inFlight).toEqual({});
+  });
+
+  it("replies in two conversations are in flight at once, each ending on its own", () => {
+    let s = started();
+    s = chatReducer(s, { type: "sending", conversationId: 2 });
+    s = chatReducer(s, {
+      type: "started",
+      conversationId: 2,
+      user: msg({ id: 50 }),
+      reply: msg({ id: 51, parent_id: 50, role: "assistant" }),
+    });
+    expect(streamingConversations(s).sort()).toEqual([1, 2]);
+    expect(s.inFlight[2]).toEqual({ conversationId: 2, replyId: 51, waiting: null, userStored: true });
+    // The one shown streams into its detail; the other's text is not its business.
+    s = chatReducer(s, { type: "text", conversationId: 1, text: "one" });
+    s = chatReducer(s, { type: "text", conversationId: 2, text: "two" });
+    expect(s.detail!.messages[1].content).toBe("one");
+    s = chatReducer(s, { type: "done", conversationId: 2, reply: msg({ id: 51, role: "assistant", content: "two" }) });
+    expect(streamingConversations(s)).toEqual([1]);
+    expect(isStreamingHere(s)).toBe(true);
+    s = chatReducer(s, { type: "stopped", conversationId: 1 });
+    expect(s.inFlight).toEqual({});
+    expect(s.detail!.messages[1]).toMatchObject({ content: "one", state: "stopped" });
   });
 
   it("actionFromEvent maps every channel event", () => {

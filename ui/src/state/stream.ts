@@ -17,7 +17,11 @@ export type InFlight = {
 
 export type ChatState = {
   detail: ConversationDetail | null;
-  inFlight: InFlight | null;
+  /**
+   * The replies in flight, one per conversation at most, by conversation id: several
+   * conversations stream at once (the engine decodes their replies together).
+   */
+  inFlight: Record<number, InFlight>;
   /** The last stream failure's message (for the error banner). */
   error: string | null;
 };
@@ -33,7 +37,7 @@ export type ChatAction =
   | { type: "stopped"; conversationId: number }
   | { type: "clearError" };
 
-export const initialChatState: ChatState = { detail: null, inFlight: null, error: null };
+export const initialChatState: ChatState = { detail: null, inFlight: {}, error: null };
 
 /** Turns a channel event into the reducer action for conversation `conversationId`. */
 export function actionFromEvent(conversationId: number, ev: StreamEvent): ChatAction {
@@ -56,9 +60,27 @@ export function actionFromEvent(conversationId: number, ev: StreamEvent): ChatAc
   }
 }
 
+/** The reply in flight in the conversation currently shown, if any. */
+export function inFlightHere(state: ChatState): InFlight | null {
+  return state.detail === null ? null : (state.inFlight[state.detail.id] ?? null);
+}
+
 /** Is a reply streaming into the conversation currently shown? */
 export function isStreamingHere(state: ChatState): boolean {
-  return state.inFlight !== null && state.detail !== null && state.inFlight.conversationId === state.detail.id;
+  return inFlightHere(state) !== null;
+}
+
+/** The ids of the conversations with a reply in flight. */
+export function streamingConversations(state: ChatState): number[] {
+  return Object.keys(state.inFlight).map(Number);
+}
+
+/** `inFlight` with conversation `id`'s entry set to `entry`, or removed for `null`. */
+function withInFlight(inFlight: Record<number, InFlight>, id: number, entry: InFlight | null): Record<number, InFlight> {
+  const next = { ...inFlight };
+  if (entry === null) delete next[id];
+  else next[id] = entry;
+  return next;
 }
 
 function mapMessages(
@@ -105,37 +127,44 @@ export function chatReducer(state: ChatState, action: ChatAction): ChatState {
     case "sending":
       return {
         ...state,
-        inFlight: { conversationId: action.conversationId, replyId: null, waiting: null, userStored: false },
+        inFlight: withInFlight(state.inFlight, action.conversationId, {
+          conversationId: action.conversationId,
+          replyId: null,
+          waiting: null,
+          userStored: false,
+        }),
         error: null,
       };
     default:
       break;
   }
 
-  // Stream events: only for the conversation shown.
+  // Stream events: each for its conversation's reply; the detail changes only when shown.
   const detail = state.detail;
   const here = detail !== null && detail.id === action.conversationId;
-  const inFlightHere = state.inFlight !== null && state.inFlight.conversationId === action.conversationId;
+  const mine = state.inFlight[action.conversationId] ?? null;
 
   switch (action.type) {
     case "waiting": {
-      if (!inFlightHere || state.inFlight === null) return state;
-      const inFlight: InFlight = {
-        ...state.inFlight,
+      if (mine === null) return state;
+      const entry: InFlight = {
+        ...mine,
         waiting: action.waiting,
-        userStored: state.inFlight.userStored || action.user !== null,
+        userStored: mine.userStored || action.user !== null,
       };
+      const inFlight = withInFlight(state.inFlight, action.conversationId, entry);
       if (!here || action.user === null) return { ...state, inFlight };
       return { ...state, inFlight, detail: { ...detail, messages: insertNew(detail.messages, [action.user]) } };
     }
     case "started": {
-      const inFlight: InFlight = {
+      const entry: InFlight = {
         conversationId: action.conversationId,
         replyId: action.reply.id,
         waiting: null,
-        userStored: (state.inFlight?.userStored ?? false) || action.user !== null,
+        userStored: (mine?.userStored ?? false) || action.user !== null,
       };
-      if (!here) return inFlightHere ? { ...state, inFlight } : state;
+      const inFlight = withInFlight(state.inFlight, action.conversationId, entry);
+      if (!here) return mine !== null ? { ...state, inFlight } : state;
       return {
         ...state,
         inFlight,
@@ -143,17 +172,17 @@ export function chatReducer(state: ChatState, action: ChatAction): ChatState {
       };
     }
     case "text": {
-      if (!here || !inFlightHere || state.inFlight?.replyId == null || action.text === "") return state;
-      const replyId = state.inFlight.replyId;
+      if (!here || mine?.replyId == null || action.text === "") return state;
+      const replyId = mine.replyId;
       return {
         ...state,
         detail: mapMessages(detail, (m) => (m.id === replyId ? { ...m, content: m.content + action.text } : m)),
       };
     }
     case "done": {
-      const next: ChatState = { ...state, inFlight: inFlightHere ? null : state.inFlight };
-      if (!here) return inFlightHere ? next : state;
-      const target = state.inFlight?.replyId ?? action.reply.id;
+      const next: ChatState = { ...state, inFlight: withInFlight(state.inFlight, action.conversationId, null) };
+      if (!here) return mine !== null ? next : state;
+      const target = mine?.replyId ?? action.reply.id;
       const has = detail.messages.some((m) => m.id === target);
       return {
         ...next,
@@ -163,14 +192,14 @@ export function chatReducer(state: ChatState, action: ChatAction): ChatState {
       };
     }
     case "failed": {
-      if (!here && !inFlightHere) return state;
+      if (!here && mine === null) return state;
       const next: ChatState = {
         ...state,
-        inFlight: inFlightHere ? null : state.inFlight,
+        inFlight: withInFlight(state.inFlight, action.conversationId, null),
         error: action.message,
       };
       if (!here) return next;
-      const target = state.inFlight?.replyId ?? action.reply?.id ?? null;
+      const target = mine?.replyId ?? action.reply?.id ?? null;
       if (target === null) return next;
       return {
         ...next,
@@ -189,9 +218,9 @@ export function chatReducer(state: ChatState, action: ChatAction): ChatState {
       };
     }
     case "stopped": {
-      if (!inFlightHere) return state;
-      const replyId = state.inFlight?.replyId ?? null;
-      const next: ChatState = { ...state, inFlight: null };
+      if (mine === null) return state;
+      const replyId = mine.replyId;
+      const next: ChatState = { ...state, inFlight: withInFlight(state.inFlight, action.conversationId, null) };
       if (!here || replyId === null) return next;
       return {
         ...next,
