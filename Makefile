@@ -155,9 +155,15 @@ test-ui: ui
 	npm run --prefix ui typecheck --silent
 	npm run --prefix ui test --silent
 
+# The model the E2E test downloads from its stand-in hub: the untrained demo (random weights,
+# so its replies run to their token limit), written by the CLI.
+UNTRAINED_MODEL := target/untrained-model
+$(UNTRAINED_MODEL)/model.safetensors: $(ASSETS_STAMP)
+	$(CARGO) run --locked -q -p quince-cli -- untrained-model --out $(UNTRAINED_MODEL)
+
 # The real app in WebKitGTK under Xvfb, driven through tauri-driver; screenshots in
 # target/e2e-shots/.
-test-e2e: app-inputs tauri-driver
+test-e2e: app-inputs tauri-driver $(UNTRAINED_MODEL)/model.safetensors
 	$(CARGO) build --locked -p quince-app
 	$(CARGO) build --locked -p hub --features fake --bin fake-hub
 	tests/e2e/run.sh target/debug/quince-app
@@ -165,7 +171,7 @@ test-e2e: app-inputs tauri-driver
 # The .deb itself: unpacked, its binary driven through the same E2E test with libmlx taken
 # from the package (LD_LIBRARY_PATH wins over the build's rpath to .venv).
 DEB_ROOT := target/deb-root
-test-bundle: bundle tauri-driver
+test-bundle: bundle tauri-driver $(UNTRAINED_MODEL)/model.safetensors
 	$(CARGO) build --locked -p hub --features fake --bin fake-hub
 	rm -rf $(DEB_ROOT) && dpkg-deb -x $$(ls -t target/release/bundle/deb/*.deb | head -1) $(DEB_ROOT)
 	LD_LIBRARY_PATH=$(DEB_ROOT)/usr/lib/quince/mlx/lib E2E_SHOTS=target/e2e-shots-deb \

@@ -313,17 +313,17 @@ async function main() {
       const v = await view(s);
       return v.streaming && last(v, "assistant")?.text.length > 0;
     }, 60000, 20);
-    const replying = () =>
-      s.execute(`return [...document.querySelectorAll('[data-testid="conversation-item"]')]
-        .filter((c) => c.dataset.streaming === 'true').map((c) => c.innerText.trim().split('\\n')[0]);`);
+    const titles = `[...document.querySelectorAll('[data-testid="conversation-item"]')]
+      .map((c) => ({ title: c.querySelector('[data-testid="conversation-title"]')?.textContent ?? '',
+                     replying: c.dataset.replying === 'true' }))`;
+    const replying = () => s.execute(`return ${titles}.filter((c) => c.replying).map((c) => c.title);`);
     const LONG = "Tell me a very long story.";
     const SHORT = "Hello from a downloaded model.";
     assert.deepEqual(await replying(), [LONG]);
     const chat = async (title) => {
-      for (const item of await s.findAll('[data-testid="conversation-item"]')) {
-        if ((await item.text()).trim().split("\n")[0] === title) return item;
-      }
-      throw new Error(`no chat titled ${title}`);
+      const at = await s.execute(`return ${titles}.findIndex((c) => c.title === arguments[0]);`, title);
+      if (at < 0) throw new Error(`no chat titled ${title}: ${JSON.stringify(await s.execute(`return ${titles};`))}`);
+      return (await s.findAll('[data-testid="conversation-item"]'))[at];
     };
     assert.equal((await s.findAll('[data-testid="conversation-item"]')).length, shortChat + 1);
     await (await chat(SHORT)).click();

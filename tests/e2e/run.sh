@@ -18,10 +18,11 @@ mkdir -p "$TMPDIR"
 rm -rf "$E2E_SHOTS"
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$QUINCE_DATA_DIR"' EXIT
 # The library downloads from a stand-in for huggingface.co on 127.0.0.1 (nothing outside this
-# machine is reachable): the demo model served as quince-test/tiny-demo over a slow link
-# (64 KiB every 10 ms: about seven seconds for its 44 MB), so the progress bar is seen moving.
+# machine is reachable): the untrained demo model (random weights: its replies run to their
+# token limit) served as quince-test/tiny-demo over a slow link (64 KiB every 10 ms: about
+# seven seconds for its 43 MB), so the progress bar is seen moving.
 FAKE_HUB=${FAKE_HUB:-target/debug/fake-hub}
-"$FAKE_HUB" --repo quince-test/tiny-demo --dir "${E2E_HUB_MODEL:-target/demo-model}" \
+"$FAKE_HUB" --repo quince-test/tiny-demo --dir "${E2E_HUB_MODEL:-target/untrained-model}" \
   --chunk-delay-ms 10 > "$QUINCE_DATA_DIR/fake-hub.url" &
 for _ in $(seq 100); do [ -s "$QUINCE_DATA_DIR/fake-hub.url" ] && break; sleep 0.1; done
 export HF_ENDPOINT=$(head -1 "$QUINCE_DATA_DIR/fake-hub.url")

@@ -158,7 +158,7 @@ describe("App", () => {
     await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("false"));
     await sendText("Write a long story.");
     await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("true"));
-    expect(item(1).getAttribute("data-streaming")).toBe("true");
+    expect(item(1).getAttribute("data-replying")).toBe("true");
 
     // The other conversation is free to send while the first still replies.
     await act(async () => {
@@ -168,8 +168,8 @@ describe("App", () => {
     await sendText("A short question.");
     await waitFor(() => expect(screen.getAllByTestId("message")).toHaveLength(2));
     expect(screen.getAllByTestId("message-content")[1].textContent).toBe("reply 2");
-    expect(item(1).getAttribute("data-streaming")).toBe("true");
-    expect(item(2).getAttribute("data-streaming")).toBeNull();
+    expect(item(1).getAttribute("data-replying")).toBe("true");
+    expect(item(2).getAttribute("data-replying")).toBeNull();
 
     // Back in the first, its reply is still streaming, then ends.
     await act(async () => {
@@ -178,7 +178,7 @@ describe("App", () => {
     await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("true"));
     await act(async () => finishFirst());
     await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("false"));
-    expect(item(1).getAttribute("data-streaming")).toBeNull();
+    expect(item(1).getAttribute("data-replying")).toBeNull();
   });
 
   it("shows command errors in a dismissible banner", async () => {

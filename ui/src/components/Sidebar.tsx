@@ -40,7 +40,7 @@ function ConversationItem({
       className={`conv-item${selected ? " selected" : ""}`}
       data-testid="conversation-item"
       data-id={conv.id}
-      data-streaming={streaming ? "true" : undefined}
+      data-replying={streaming ? "true" : undefined}
       aria-current={selected ? "true" : undefined}
       onClick={() => !editing && onSelect()}
     >
