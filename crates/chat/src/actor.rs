@@ -292,7 +292,7 @@ fn serve_together(
     together.join(first);
     // Replies that waited behind the batch's first and can decode with it join now.
     while let Some(Command::Reply { turn, .. }) = deferred.front()
-        && chat.batches(turn)
+        && together.batch.takes(turn)
     {
         if let Some(Command::Reply { turn, events, cancel }) = deferred.pop_front() {
             together.join(Pending { turn, events, cancel });
@@ -305,7 +305,7 @@ fn serve_together(
                 continue;
             }
             match command {
-                Command::Reply { turn, events, cancel } if chat.batches(&turn) => {
+                Command::Reply { turn, events, cancel } if together.batch.takes(&turn) => {
                     together.join(Pending { turn, events, cancel });
                 }
                 Command::Check { turn, reply } => {

@@ -846,3 +846,45 @@ async fn two_conversations_stream_at_once_and_each_reply_is_its_own() {
     let (next, _) = send(&chat, b, "Thanks.", &[]).await;
     assert!(next.unwrap().stats.unwrap().reused_tokens > 0, "b resumed from its checkpoint");
 }
+
+/// A reply whose chat keeps its KV cache in another storage than the replies decoding waits
+/// for them to end (its rows could not share their layers), then runs: it is never refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_of_another_kv_storage_waits_for_the_batch_and_runs() {
+    let f = fixture();
+    let (chat, a) = ready(&f, 16).await;
+    let b = chat.create_conversation().await.unwrap().id;
+    let four_bit = engine::cache::KvOptions {
+        format: engine::cache::KvFormat::Affine { bits: 4, group_size: 64 },
+        ..Default::default()
+    };
+    chat.set_settings(b, &Settings { kv: four_bit, ..greedy(4) }).await.unwrap();
+    let log: Arc<Mutex<Vec<(i64, &'static str)>>> = Arc::default();
+    let record = |c: i64| {
+        let log = log.clone();
+        move |e: StreamEvent| {
+            let kind = match e {
+                StreamEvent::Text { .. } => "text",
+                StreamEvent::Done { .. } => "done",
+                _ => "other",
+            };
+            log.lock().unwrap().push((c, kind));
+        }
+    };
+    let first = {
+        let (chat, on) = (chat.clone(), record(a));
+        tokio::spawn(async move { chat.send(a, "Tell me about the sea.", &[], on).await })
+    };
+    while !log.lock().unwrap().iter().any(|&(c, k)| c == a && k == "text") {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let second = chat.send(b, "What is a quince?", &[], record(b)).await.unwrap();
+    assert_eq!(second.state, MessageState::Complete);
+    let storage = second.stats.unwrap().kv_storage;
+    assert!(storage.contains("affine(bits=4"), "b ran on its own storage: {storage}");
+    assert_eq!(first.await.unwrap().unwrap().state, MessageState::Complete);
+    let log = log.lock().unwrap().clone();
+    let a_last = log.iter().rposition(|&(c, k)| c == a && k == "text").unwrap();
+    let b_first = log.iter().position(|&(c, k)| c == b && k == "text").unwrap();
+    assert!(a_last < b_first, "b waited for a to end: {log:?}");
+}

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use super::{ChatModel, Opened, ReplyText, Turn, TurnEvent, TurnOutcome};
 use crate::batch::{Batch, BatchEvent, Finished, RowId};
+use crate::cache::KvOptions;
 use crate::error::{Error, Result};
 use crate::generate::Flow;
 
@@ -26,6 +27,8 @@ pub struct TurnBatch<'c> {
     chat: &'c ChatModel,
     batch: Batch<'c>,
     rows: HashMap<RowId, Row<'c>>,
+    /// The KV storage every row's caches use (one per batch).
+    kv: Option<KvOptions>,
 }
 
 impl std::fmt::Debug for TurnBatch<'_> {
@@ -37,7 +40,7 @@ impl std::fmt::Debug for TurnBatch<'_> {
 impl<'c> TurnBatch<'c> {
     /// No turns yet.
     pub fn new(chat: &'c ChatModel) -> TurnBatch<'c> {
-        TurnBatch { chat, batch: Batch::new(chat.model()), rows: HashMap::new() }
+        TurnBatch { chat, batch: Batch::new(chat.model()), rows: HashMap::new(), kv: None }
     }
 
     /// Turns decoding now.
@@ -48,6 +51,13 @@ impl<'c> TurnBatch<'c> {
     /// Whether no turn is decoding.
     pub fn is_empty(&self) -> bool {
         self.batch.is_empty()
+    }
+
+    /// Whether `turn` can join now: it decodes in batches ([`ChatModel::batches`]) and keeps
+    /// its keys and values as the turns in the batch do. A turn of another KV storage waits
+    /// for the batch to empty (its rows could not share the batch's layers).
+    pub fn takes(&self, turn: &Turn) -> bool {
+        self.chat.batches(turn) && (self.is_empty() || self.kv == Some(turn.kv))
     }
 
     /// Opens `turn`, prefills it alone and streams its first token to `on_event`; the turn then
@@ -61,9 +71,10 @@ impl<'c> TurnBatch<'c> {
         turn: &Turn,
         on_event: impl FnMut(TurnEvent) -> Flow + 'c,
     ) -> Result<Option<TurnOutcome>> {
-        if !self.chat.batches(turn) {
+        if !self.takes(turn) {
             return Err(Error::InvalidRequest(
-                "this turn decodes alone (a draft method, or state other than keys and values)"
+                "this turn cannot join the batch (a draft method, state other than keys and \
+                 values, or another KV storage than the batch's)"
                     .into(),
             ));
         }
@@ -83,6 +94,9 @@ impl<'c> TurnBatch<'c> {
                 return Err(e);
             }
         };
+        if self.batch.len() == 1 {
+            self.kv = Some(turn.kv);
+        }
         let mut outcomes = self.route(events)?;
         outcomes.pop().map(|(_, outcome)| outcome).transpose()
     }
