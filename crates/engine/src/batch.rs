@@ -186,7 +186,11 @@ impl<'m> Batch<'m> {
         let last: Vec<i32> =
             self.rows.iter().map(|r| r.tokens.last().copied().unwrap_or(0) as i32).collect();
         let ids = Array::from_slice(&last, &[last.len() as i32, 1])?;
-        let logits = self.model.forward(&ids, &mut self.layers, Phase::Decode)?;
+        // A lone row decodes through the model's compiled step where it has one.
+        let logits = match self.rows.len() {
+            1 => self.model.forward_decode(&ids, &mut self.layers)?,
+            _ => self.model.forward(&ids, &mut self.layers, Phase::Decode)?,
+        };
         let vocab = logits.dim(-1)?;
         let logits = logits.reshape(&[last.len() as i32, vocab])?;
         let mut sampled = Vec::with_capacity(self.rows.len());

@@ -320,6 +320,16 @@ impl AttentionCache for CacheRows {
         self.append(keys, values, false)
     }
 
+    /// A batch of one row takes part in a compiled decode step through its row's storage (a
+    /// lone reply decodes as fast as it would outside a batch); a batch of more rows runs op
+    /// by op.
+    fn compiled(&mut self) -> Option<&mut dyn super::CompiledDecodeCache> {
+        match self.rows.as_mut_slice() {
+            [row] if self.round.is_none() => row.as_attention_mut()?.compiled(),
+            _ => None,
+        }
+    }
+
     /// Refused: a drafter reads one sequence's keys and values.
     fn donor_read(&self) -> Result<Option<AttentionRead>> {
         Err(Error::InvalidRequest("a batch of rows has no donor read: extract the row".into()))

@@ -90,7 +90,13 @@ fn batched(
 
 fn assert_batched_equals_alone(model: &dyn Model, requests: &[GenerateRequest], what: &str) {
     let joins = [0, 2, 3, 5];
+    let before = model.decode_graphs().map(|g| g.stats());
     let rows = batched(model, requests, &joins);
+    if let (Some(before), Some(after)) = (before, model.decode_graphs().map(|g| g.stats())) {
+        // The first row decodes alone for two steps, and the last to end alone after the
+        // others left: those steps run compiled, as a reply outside a batch does.
+        assert!(after.steps > before.steps, "a lone row's steps ran compiled: {after:?}");
+    }
     assert_eq!(rows.len(), requests.len(), "{what}: every row finished");
     for (i, request) in requests.iter().enumerate() {
         let (want, solo_caches) = alone(model, request);

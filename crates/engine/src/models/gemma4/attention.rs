@@ -102,11 +102,12 @@ impl Position {
     /// Where the positions appended to `caches` start: their offset, or each row's in a batch.
     pub(crate) fn of(caches: &[Box<dyn Cache>]) -> Result<Position> {
         match crate::cache::stack_row_offsets(caches) {
-            Some(rows) => {
+            Some(rows) if rows.len() > 1 => {
                 let rows: Vec<i32> = rows.iter().map(|&o| o as i32).collect();
                 Ok(Position::Rows(Array::from_slice(&rows, &[rows.len() as i32])?))
             }
-            None => Ok(Position::at(crate::cache::stack_offset(caches) as i32)),
+            // A single sequence, or a batch of one row: at its offset.
+            _ => Ok(Position::at(crate::cache::stack_offset(caches) as i32)),
         }
     }
 
