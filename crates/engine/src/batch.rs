@@ -3,16 +3,20 @@
 //! A request joins a [`Batch`] after its own prefill ([`Batch::join`] runs it alone, with its
 //! images and from whatever prefix its caches hold, such as a restored KV checkpoint), so a
 //! long prompt never stalls the rows already decoding for more than its own prefill. From then
-//! on every [`Batch::step`] appends each row's last token in one batched decode pass: each
+//! on every [`Batch::step`] appends each row's next token in one batched decode pass: each
 //! layer's cache is a [`CacheRows`] holding every row at its own offset, the model rotates
 //! each row at its own position ([`crate::cache::Cache::row_offsets`]), and the read hides
-//! each row's left padding. Each row samples its own logits with its own [`Sampler`] (seed,
-//! temperature, penalties), stops on its own stop tokens and token budget, and leaves the
-//! batch when it ends or is cancelled ([`Batch::cancel`]), taking its caches with it as
-//! ordinary single-sequence caches, ready to checkpoint.
+//! each row's left padding. A lone row runs the model's compiled step instead, as a reply
+//! outside a batch does. Steps are pipelined as [`crate::generate::generate`]'s are (a pass is
+//! built on the tokens the last one sampled before they are read). Each row samples its own
+//! logits with its own [`Sampler`] (seed, temperature, penalties), stops on its own stop
+//! tokens and token budget, and leaves the batch when it ends or is cancelled
+//! ([`Batch::cancel`]), taking its caches with it as ordinary single-sequence caches, ready
+//! to checkpoint.
 //!
 //! What a row generates does not depend on the other rows: the engine's tests hold batched
-//! greedy and seeded sampling to the same requests run alone, token for token.
+//! greedy and seeded sampling to the same requests run alone, token for token, and a row's
+//! caches when it leaves to the solo run's, bit for bit.
 
 use std::time::Instant;
 
@@ -66,9 +70,21 @@ struct Row {
     stats: GenerationStats,
     /// When its first token came.
     first_at: Instant,
+    /// The next token, sampled (lazily) by a pass that appended the last emitted one; `None`
+    /// while the last emitted token is not appended yet.
+    ahead: Option<Array>,
+    /// Whether a pass may append the token sampled ahead before it is read (no penalty reads
+    /// it first), as [`crate::generate::generate`] pipelines its steps.
+    pipelined: bool,
 }
 
 impl Row {
+    /// Whether the token sampled ahead may be appended before it is read: the row goes on
+    /// after it (it is not the row's last allowed token), as `generate` decides.
+    fn may_append_ahead(&self) -> bool {
+        self.pipelined && self.tokens.len() + 1 < self.max_tokens
+    }
+
     /// Records `token`; the reason when the row ends with it.
     fn emit(&mut self, token: u32) -> Option<StopReason> {
         self.tokens.push(token);
@@ -158,6 +174,9 @@ impl<'m> Batch<'m> {
                 ..GenerationStats::default()
             },
             first_at: Instant::now(),
+            ahead: None,
+            pipelined: request.sampling.repetition_penalty == 1.0
+                && request.sampling.presence_penalty == 0.0,
         };
         let Some(token) = first else {
             return Ok(vec![BatchEvent::Finished(row.finish(StopReason::MaxTokens, caches)?)]);
@@ -177,44 +196,90 @@ impl<'m> Batch<'m> {
         Ok(events)
     }
 
-    /// One decode step for every row: appends each row's last token in one forward pass and
-    /// samples each row's next. Rows that end leave the batch ([`BatchEvent::Finished`]).
+    /// One decode step for every row: one forward pass appends each row's next token and
+    /// samples the one after it. Steps are pipelined as [`crate::generate::generate`]'s are:
+    /// the pass is built on the tokens the previous pass sampled before they are read, and
+    /// those tokens are read (and reported) while it runs. A row whose next token is its last,
+    /// or whose penalties read it first, has every row read before the pass instead. Rows that
+    /// end leave the batch ([`BatchEvent::Finished`]).
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
-        if self.rows.is_empty() {
-            return Ok(Vec::new());
+        let mut events = Vec::with_capacity(2 * self.rows.len());
+        if !self.rows.iter().all(|r| r.ahead.is_none() || r.may_append_ahead()) {
+            self.read_ahead(&mut events)?;
         }
-        let last: Vec<i32> =
-            self.rows.iter().map(|r| r.tokens.last().copied().unwrap_or(0) as i32).collect();
-        let ids = Array::from_slice(&last, &[last.len() as i32, 1])?;
+        if self.rows.is_empty() {
+            return Ok(events);
+        }
+        let feeds = self
+            .rows
+            .iter()
+            .map(|r| match &r.ahead {
+                Some(ahead) => Ok(ahead.reshape(&[1, 1])?),
+                None => Ok(Array::from_slice(&[r.tokens.last().copied().unwrap_or(0)], &[1, 1])?),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ids = match feeds.as_slice() {
+            [one] => one.clone(),
+            _ => mlx::ops::concatenate(&feeds.iter().collect::<Vec<_>>(), 0)?,
+        };
+        let batch = feeds.len() as i32;
         // A lone row decodes through the model's compiled step where it has one.
         let logits = match self.rows.len() {
             1 => self.model.forward_decode(&ids, &mut self.layers)?,
             _ => self.model.forward(&ids, &mut self.layers, Phase::Decode)?,
         };
         let vocab = logits.dim(-1)?;
-        let logits = logits.reshape(&[last.len() as i32, vocab])?;
+        let logits = logits.reshape(&[batch, vocab])?;
         let mut sampled = Vec::with_capacity(self.rows.len());
         for (b, row) in self.rows.iter_mut().enumerate() {
             let b = b as i32;
             let own = logits.slice(&[b, 0], &[b + 1, vocab], &[1, 1])?;
             sampled.push(row.sampler.sample(&own, &row.history)?);
         }
-        mlx::eval(&sampled.iter().collect::<Vec<_>>())?;
-        let mut events = Vec::with_capacity(self.rows.len());
+        mlx::async_eval(&sampled.iter().collect::<Vec<_>>())?;
+        // The tokens this pass appended unread are read now, while it runs.
         let mut ended = Vec::new();
-        for (b, (row, token)) in self.rows.iter_mut().zip(&sampled).enumerate() {
-            let token = token.item::<u32>()?;
-            events.push(BatchEvent::Token { id: row.id, token });
-            if let Some(reason) = row.emit(token) {
-                ended.push((b, reason));
+        for (b, (row, next)) in self.rows.iter_mut().zip(sampled).enumerate() {
+            if let Some(ahead) = row.ahead.replace(next) {
+                let token = ahead.item::<u32>()?;
+                events.push(BatchEvent::Token { id: row.id, token });
+                if let Some(reason) = row.emit(token) {
+                    ended.push((b, reason));
+                }
             }
         }
+        self.leave_all(&ended, &mut events)?;
+        Ok(events)
+    }
+
+    /// Reads and reports every token sampled ahead; the rows that end with it leave, the
+    /// others wait for a pass to append it.
+    fn read_ahead(&mut self, events: &mut Vec<BatchEvent>) -> Result<()> {
+        let mut ended = Vec::new();
+        for (b, row) in self.rows.iter_mut().enumerate() {
+            if let Some(ahead) = row.ahead.take() {
+                let token = ahead.item::<u32>()?;
+                events.push(BatchEvent::Token { id: row.id, token });
+                if let Some(reason) = row.emit(token) {
+                    ended.push((b, reason));
+                }
+            }
+        }
+        self.leave_all(&ended, events)
+    }
+
+    /// Takes the rows `ended` (in row order) out of the batch, reporting each.
+    fn leave_all(
+        &mut self,
+        ended: &[(usize, StopReason)],
+        events: &mut Vec<BatchEvent>,
+    ) -> Result<()> {
         // Highest rows first, so the lower indices stay valid.
         for &(b, reason) in ended.iter().rev() {
             let finished = self.leave(b, reason)?;
             events.push(BatchEvent::Finished(finished));
         }
-        Ok(events)
+        Ok(())
     }
 
     /// Ends row `id` now (a user's stop, a stop string, a closed connection): it leaves the
