@@ -762,6 +762,48 @@ async fn kv_choices_reach_the_engine_and_the_memory_guard_refuses_before_storing
     assert_eq!(ok.unwrap().state, MessageState::Complete);
 }
 
+/// What several replies streamed, in order, as (conversation, `text` | `done` | `other`).
+#[derive(Clone, Default)]
+struct StreamLog(Arc<Mutex<Vec<(i64, &'static str)>>>);
+
+impl StreamLog {
+    /// A stream callback recording conversation `c`'s events.
+    fn recorder(&self, c: i64) -> impl FnMut(StreamEvent) + Send + 'static {
+        let log = self.0.clone();
+        move |e: StreamEvent| {
+            let kind = match e {
+                StreamEvent::Text { .. } => "text",
+                StreamEvent::Done { .. } => "done",
+                _ => "other",
+            };
+            log.lock().unwrap().push((c, kind));
+        }
+    }
+
+    fn events(&self) -> Vec<(i64, &'static str)> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// Sends `first` in its conversation and, once that reply streams, `second` in its own;
+/// returns both stored replies, what streamed going to `log`.
+async fn send_overlapping(
+    chat: &Chat,
+    log: &StreamLog,
+    (a, first): (i64, &'static str),
+    (b, second): (i64, &'static str),
+) -> (ThreadMessage, ThreadMessage) {
+    let task = {
+        let (chat, on) = (chat.clone(), log.recorder(a));
+        tokio::spawn(async move { chat.send(a, first, &[], on).await })
+    };
+    while !log.events().contains(&(a, "text")) {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let second = chat.send(b, second, &[], log.recorder(b)).await.unwrap();
+    (task.await.unwrap().unwrap(), second)
+}
+
 /// Two conversations reply at the same time: the second starts streaming while the first is
 /// still streaming (the engine decodes both in one batch), each reply is what it is alone, a
 /// stop ends only its own reply, and the next turn of each resumes from its own checkpoint.
@@ -784,38 +826,19 @@ async fn two_conversations_stream_at_once_and_each_reply_is_its_own() {
     let want_a = alone("Tell me about the sea.", 24).await;
     let want_b = alone("What is a quince?", 12).await;
 
-    // What streamed, in order, as (conversation, event) from both replies.
-    let log: Arc<Mutex<Vec<(i64, String)>>> = Arc::default();
-    let record = |c: i64| {
-        let log = log.clone();
-        move |e: StreamEvent| {
-            let kind = match e {
-                StreamEvent::Text { .. } => "text",
-                StreamEvent::Done { .. } => "done",
-                _ => "other",
-            };
-            log.lock().unwrap().push((c, kind.to_string()));
-        }
-    };
-    let first = {
-        let (chat, on) = (chat.clone(), record(a));
-        tokio::spawn(async move { chat.send(a, "Tell me about the sea.", &[], on).await })
-    };
-    // The second is sent once the first streams.
-    while !log.lock().unwrap().iter().any(|(c, k)| *c == a && k == "text") {
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    let second = chat.send(b, "What is a quince?", &[], record(b)).await.unwrap();
-    let first = first.await.unwrap().unwrap();
+    let log = StreamLog::default();
+    let (first, second) =
+        send_overlapping(&chat, &log, (a, "Tell me about the sea."), (b, "What is a quince?"))
+            .await;
     assert_eq!(first.content, want_a, "the first reply is what it is alone");
     assert_eq!(second.content, want_b, "the second reply is what it is alone");
-    let log = log.lock().unwrap().clone();
-    let a_done = log.iter().position(|(c, k)| *c == a && k == "done");
-    let b_text = log.iter().position(|(c, k)| *c == b && k == "text").unwrap();
+    let log = log.events();
+    let a_done = log.iter().position(|&e| e == (a, "done"));
+    let b_text = log.iter().position(|&e| e == (b, "text")).unwrap();
     // The first's Done event goes out after the stored reply is saved; without batching the
     // second would not stream before the first had finished.
     assert!(a_done.is_none_or(|done| b_text < done), "the replies overlapped: {log:?}");
-    let a_texts_after = log[b_text..].iter().filter(|(c, k)| *c == a && k == "text").count();
+    let a_texts_after = log[b_text..].iter().filter(|&&e| e == (a, "text")).count();
     assert!(a_texts_after > 0, "the first kept streaming while the second did: {log:?}");
 
     // Stopping one reply leaves the other running to its end.
@@ -859,32 +882,16 @@ async fn a_reply_of_another_kv_storage_waits_for_the_batch_and_runs() {
         ..Default::default()
     };
     chat.set_settings(b, &Settings { kv: four_bit, ..greedy(4) }).await.unwrap();
-    let log: Arc<Mutex<Vec<(i64, &'static str)>>> = Arc::default();
-    let record = |c: i64| {
-        let log = log.clone();
-        move |e: StreamEvent| {
-            let kind = match e {
-                StreamEvent::Text { .. } => "text",
-                StreamEvent::Done { .. } => "done",
-                _ => "other",
-            };
-            log.lock().unwrap().push((c, kind));
-        }
-    };
-    let first = {
-        let (chat, on) = (chat.clone(), record(a));
-        tokio::spawn(async move { chat.send(a, "Tell me about the sea.", &[], on).await })
-    };
-    while !log.lock().unwrap().iter().any(|&(c, k)| c == a && k == "text") {
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    let second = chat.send(b, "What is a quince?", &[], record(b)).await.unwrap();
+    let log = StreamLog::default();
+    let (first, second) =
+        send_overlapping(&chat, &log, (a, "Tell me about the sea."), (b, "What is a quince?"))
+            .await;
     assert_eq!(second.state, MessageState::Complete);
     let storage = second.stats.unwrap().kv_storage;
     assert!(storage.contains("affine(bits=4"), "b ran on its own storage: {storage}");
-    assert_eq!(first.await.unwrap().unwrap().state, MessageState::Complete);
-    let log = log.lock().unwrap().clone();
-    let a_last = log.iter().rposition(|&(c, k)| c == a && k == "text").unwrap();
-    let b_first = log.iter().position(|&(c, k)| c == b && k == "text").unwrap();
+    assert_eq!(first.state, MessageState::Complete);
+    let log = log.events();
+    let a_last = log.iter().rposition(|&e| e == (a, "text")).unwrap();
+    let b_first = log.iter().position(|&e| e == (b, "text")).unwrap();
     assert!(a_last < b_first, "b waited for a to end: {log:?}");
 }
