@@ -1,7 +1,7 @@
 //! Continuous batching ([`engine::batch::Batch`]) against the same requests run alone: rows
 //! of different lengths join at different steps, decode together, end at their own budgets,
 //! and generate what [`generate`] generates for each alone, greedy and sampled at fixed seeds,
-//! on the tiny Gemma 4 checkpoints (dense with and without an image, MoE, 4-bit).
+//! on the tiny Gemma 4 checkpoints (dense with and without an image, MoE, 4-bit) and Gemma 3's.
 
 use std::collections::BTreeMap;
 
@@ -15,11 +15,13 @@ use mlx::Array;
 use super::gemma4::golden_at;
 use super::vision::{ids, prompt_images, tensors};
 
-fn load(name: &str) -> Box<dyn Model> {
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/golden/gemma4")
-        .join(name);
-    engine::registry::load_model(&dir, &engine::LoadOptions::default()).unwrap()
+/// A golden checkpoint's folder, `family/name` under `tests/golden` (`gemma4/dense`).
+fn checkpoint(path: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden").join(path)
+}
+
+fn load(path: &str) -> Box<dyn Model> {
+    engine::registry::load_model(checkpoint(path), &engine::LoadOptions::default()).unwrap()
 }
 
 /// Four requests over `prompt`: different lengths, budgets and (when `sampled`) seeds.
@@ -121,14 +123,9 @@ fn assert_batched_equals_alone(model: &dyn Model, requests: &[GenerateRequest], 
 
 #[test]
 fn batched_greedy_and_seeded_sampling_equal_each_request_alone() {
-    for name in ["dense", "moe", "dense_q4"] {
+    for name in ["gemma4/dense", "gemma4/moe", "gemma4/dense_q4", "gemma3/text"] {
         let model = load(name);
-        let prompt = golden_at(
-            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../tests/golden/gemma4")
-                .join(name),
-        )
-        .prompt;
+        let prompt = golden_at(&checkpoint(name)).prompt;
         for sampled in [false, true] {
             let what = format!("{name}, {}", if sampled { "sampled" } else { "greedy" });
             assert_batched_equals_alone(model.as_ref(), &requests(&prompt, sampled), &what);
@@ -140,15 +137,11 @@ fn batched_greedy_and_seeded_sampling_equal_each_request_alone() {
 /// text rows; what it generates is the reference's greedy reply to that prompt.
 #[test]
 fn a_row_with_an_image_decodes_among_text_rows() {
-    let model = load("dense");
+    let model = load("gemma4/dense");
     let golden = tensors("vision.safetensors");
     let tokens = ids(&golden["single.ids"]);
     let images: Vec<Array> = prompt_images(model.as_ref(), "single");
-    let text = golden_at(
-        &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/golden/gemma4/dense"),
-    )
-    .prompt;
+    let text = golden_at(&checkpoint("gemma4/dense")).prompt;
     let mut requests = requests(&text, false);
     requests[1] = GenerateRequest { images, ..GenerateRequest::new(tokens, 32) };
     assert_batched_equals_alone(model.as_ref(), &requests, "dense with an image");
@@ -161,12 +154,8 @@ fn a_row_with_an_image_decodes_among_text_rows() {
 /// refused before their prefill, and the batch is unchanged.
 #[test]
 fn a_cancelled_row_leaves_at_once_and_bad_joins_change_nothing() {
-    let model = load("dense");
-    let prompt = golden_at(
-        &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/golden/gemma4/dense"),
-    )
-    .prompt;
+    let model = load("gemma4/dense");
+    let prompt = golden_at(&checkpoint("gemma4/dense")).prompt;
     let requests = requests(&prompt, false);
     let mut batch = Batch::new(model.as_ref());
     for (i, request) in requests.iter().enumerate().take(3) {
