@@ -45,8 +45,9 @@ pub enum BatchEvent {
     Finished(Finished),
 }
 
-/// A request that ended: what it generated and its caches, holding its prompt and every
-/// generated token but the last (which was never appended, as after [`crate::generate::generate`]).
+/// A request that ended: what it generated and its caches. The caches hold its prompt and its
+/// generated tokens but the last, or all of them when a pipelined pass appended the last
+/// before it was read: what [`crate::generate::generate`] leaves in its caches.
 #[derive(Debug)]
 pub struct Finished {
     /// The row.

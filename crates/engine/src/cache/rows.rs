@@ -8,11 +8,15 @@
 //! append hands each row its slice of the batch; the read then stacks the rows' reads, each
 //! left-padded to the longest with padding no query sees (the seed's `leftPad`).
 //!
+//! A batch is itself a layer's [`Cache`] in a batched forward pass ([`crate::batch`]): it
+//! reports each row's offset ([`Cache::row_offsets`]) so the model rotates each row at its
+//! own position, and a batch of one row takes part in a compiled decode step through its row.
+//!
 //! The cost of keeping rows apart: a batch of more than one row copies every row's visible keys
 //! and values into the stacked read at each append. A layout sharing one left-padded buffer
 //! (mlx-lm's `BatchKVCache`) writes once per step instead, but must shift a row's whole history
-//! when a round keeps fewer of its positions than another row's; it belongs with batched
-//! generation, which nothing runs yet. A batch of one row reads straight from its storage.
+//! when a round keeps fewer of its positions than another row's. A batch of one row reads
+//! straight from its storage.
 
 use mlx::{Array, Dtype, ops};
 
