@@ -117,7 +117,7 @@ describe("App", () => {
     await waitFor(() => expect(screen.getByTestId("conversation-title").textContent).toBe("Say hi"));
   });
 
-  it("lets another conversation send while one is still replying, and marks each that replies", async () => {
+  it("lets another conversation send while one is still replying, says while it waits in line, and marks each that replies", async () => {
     const convs: Record<number, ConversationDetail> = { 1: makeDetail(1, []), 2: makeDetail(2, []) };
     convs[1] = { ...convs[1], title: "First" };
     convs[2] = { ...convs[2], title: "Second" };
@@ -126,6 +126,7 @@ describe("App", () => {
     );
     handlers.set("get_conversation", (a) => convs[(a as { id: number }).id]);
     let finishFirst: () => void = () => {};
+    let startSecond: () => void = () => {};
     handlers.set("send_message", async (a) => {
       const { conversationId, text, onEvent } = a as {
         conversationId: number;
@@ -135,6 +136,11 @@ describe("App", () => {
       const user = msg({ id: 10 * conversationId, role: "user", content: text });
       const reply = msg({ id: 10 * conversationId + 1, parent_id: user.id, role: "assistant", state: "streaming" });
       onEvent.onmessage({ kind: "started", user, reply });
+      if (conversationId === 2) {
+        // It waits in line for the first reply, then streams.
+        onEvent.onmessage({ kind: "queued", reason: "it starts when the replies running now have finished" });
+        await new Promise<void>((resolve) => (startSecond = resolve));
+      }
       onEvent.onmessage({ kind: "text", text: `reply ${conversationId}` });
       if (conversationId === 1) await new Promise<void>((resolve) => (finishFirst = resolve));
       const final: ThreadMessage = { ...reply, state: "complete", content: `reply ${conversationId}` };
@@ -166,6 +172,10 @@ describe("App", () => {
     });
     await waitFor(() => expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("false"));
     await sendText("A short question.");
+    await waitFor(() => expect(screen.getByTestId("queued").textContent).toContain("another chat's reply"));
+    expect(screen.getByTestId("chat").getAttribute("data-streaming")).toBe("true");
+    await act(async () => startSecond());
+    await waitFor(() => expect(screen.queryByTestId("queued")).toBeNull());
     await waitFor(() => expect(screen.getAllByTestId("message")).toHaveLength(2));
     expect(screen.getAllByTestId("message-content")[1].textContent).toBe("reply 2");
     expect(item(1).getAttribute("data-replying")).toBe("true");

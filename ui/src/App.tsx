@@ -506,6 +506,7 @@ export function App() {
           onSwitchBranch={(id) => void switchBranch(id)}
           onRetry={retry}
           waiting={here?.waiting ?? null}
+          queued={here?.queued ?? null}
           composer={
             <Composer
               ref={composerRef}

@@ -4,6 +4,12 @@
 //! keys and values decode together in one [`TurnBatch`] (each joins after its own prefill and
 //! leaves when it ends), so a second conversation streams while the first does; a reply with
 //! a draft method is answered alone by [`ChatModel::answer`], after the batch.
+//!
+//! A reply never waits unseen and is never dropped for another: one that must wait (its KV
+//! cache fits the memory limit only once replies decoding have ended, or it decodes alone
+//! after the batch) is told so ([`ReplyEvent::Queued`]) and runs when its turn comes, in the
+//! order the replies came; one stopped while it waits ends without running
+//! ([`ReplyEvent::StoppedWaiting`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -15,7 +21,7 @@ use engine::batch::RowId;
 use engine::generate::Flow;
 use engine::kv_file::Identity;
 use engine::tokenizer::Tokenizer;
-use engine::turn::{ChatModel, Drafters, Turn, TurnBatch, TurnEvent, TurnOutcome};
+use engine::turn::{ChatModel, Drafters, Joined, Turn, TurnBatch, TurnEvent, TurnOutcome};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Error, Result};
@@ -46,6 +52,14 @@ pub enum ReplyEvent {
         /// The piece.
         text: String,
     },
+    /// The reply waits for replies running now to end before it starts (sent once, before
+    /// any text).
+    Queued {
+        /// Why, in words.
+        reason: String,
+    },
+    /// The reply was stopped while it waited: nothing ran, nothing more comes.
+    StoppedWaiting,
     /// Generation ended.
     Done(Box<TurnOutcome>),
     /// Generation failed; nothing more comes.
@@ -134,6 +148,9 @@ impl Engine {
                                 loaded = Some(model);
                             }
                         }
+                        Command::Reply { events, cancel, .. } if cancel.load(Ordering::SeqCst) => {
+                            let _ = events.send(ReplyEvent::StoppedWaiting);
+                        }
                         Command::Reply { turn, events, cancel } => match &loaded {
                             None => {
                                 let _ = events.send(ReplyEvent::Failed {
@@ -142,7 +159,7 @@ impl Engine {
                                 });
                             }
                             Some(model) if model.batches(&turn) => {
-                                let first = Pending { turn, events, cancel };
+                                let first = Pending::new(turn, events, cancel);
                                 serve_together(model, first, &inbox, &mut deferred);
                             }
                             Some(model) => reply(model, &mut drafters, &turn, &events, &cancel),
@@ -274,11 +291,24 @@ struct Pending {
     turn: Box<Turn>,
     events: mpsc::UnboundedSender<ReplyEvent>,
     cancel: Arc<AtomicBool>,
+    /// Whether it was told it waits.
+    queued: bool,
+}
+
+impl Pending {
+    fn new(
+        turn: Box<Turn>,
+        events: mpsc::UnboundedSender<ReplyEvent>,
+        cancel: Arc<AtomicBool>,
+    ) -> Self {
+        Pending { turn, events, cancel, queued: false }
+    }
 }
 
 /// Answers `first` and every reply that can decode with it ([`ChatModel::batches`]) as they
 /// come, together in one [`TurnBatch`], until none is left. Each joins after its own prefill
-/// and leaves when it ends or is stopped. Checks are answered between steps; any other
+/// and leaves when it ends or is stopped; one whose KV cache fits only once others end waits
+/// in line, and replies after it wait behind it. Checks are answered between steps; any other
 /// command (a load, a reply that decodes alone, shutdown) waits in `deferred` until the batch
 /// is empty, and every command after it waits too, so commands still take effect in the order
 /// they were sent.
@@ -288,75 +318,174 @@ fn serve_together(
     inbox: &std::sync::mpsc::Receiver<Command>,
     deferred: &mut VecDeque<Command>,
 ) {
-    let mut together = Together { batch: TurnBatch::new(chat), live: HashMap::new(), next: 0 };
-    together.join(first);
+    let mut together = Together {
+        batch: TurnBatch::new(chat),
+        live: HashMap::new(),
+        waiting: VecDeque::new(),
+        next: 0,
+    };
+    together.arrive(first);
     // Replies that waited behind the batch's first and can decode with it join now.
     while let Some(Command::Reply { turn, .. }) = deferred.front()
         && together.batch.takes(turn)
     {
         if let Some(Command::Reply { turn, events, cancel }) = deferred.pop_front() {
-            together.join(Pending { turn, events, cancel });
+            together.arrive(Pending::new(turn, events, cancel));
         }
     }
     loop {
         while let Ok(command) = inbox.try_recv() {
             if !deferred.is_empty() {
-                deferred.push_back(command);
+                defer(deferred, command);
                 continue;
             }
             match command {
                 Command::Reply { turn, events, cancel } if together.batch.takes(&turn) => {
-                    together.join(Pending { turn, events, cancel });
+                    together.arrive(Pending::new(turn, events, cancel));
                 }
                 Command::Check { turn, reply } => {
                     let _ = reply.send(chat.check(&turn).map_err(Error::from));
                 }
-                other => deferred.push_back(other),
+                other => defer(deferred, other),
             }
         }
-        if together.batch.is_empty() || !together.step() {
-            return;
+        together.drop_stopped();
+        if together.batch.is_empty() {
+            if together.waiting.is_empty() {
+                return;
+            }
+            together.admit_waiting();
+            continue;
+        }
+        match together.step() {
+            Some(0) => {}
+            Some(_) => together.admit_waiting(),
+            None => {
+                // The batch failed: the replies waiting start a new one.
+                together.batch = TurnBatch::new(chat);
+            }
         }
     }
 }
 
-/// The replies of [`serve_together`]'s batch and where each one's events go.
+/// Puts `command` behind the batch, telling a reply it waits.
+fn defer(deferred: &mut VecDeque<Command>, command: Command) {
+    if let Command::Reply { events, .. } = &command {
+        let _ = events.send(ReplyEvent::Queued {
+            reason: "it starts when the replies running now have finished".into(),
+        });
+    }
+    deferred.push_back(command);
+}
+
+/// The replies of [`serve_together`]'s batch, where each one's events go, and the replies
+/// waiting for memory, in the order they came.
 struct Together<'c> {
     batch: TurnBatch<'c>,
     live: HashMap<RowId, mpsc::UnboundedSender<ReplyEvent>>,
+    waiting: VecDeque<Pending>,
     next: RowId,
 }
 
 impl Together<'_> {
-    fn join(&mut self, pending: Pending) {
-        let Pending { turn, events, cancel } = pending;
-        let id = self.next;
-        self.next += 1;
-        let stream = events.clone();
-        let joined = self.batch.join(id, &turn, move |TurnEvent::Token { text, .. }| {
-            if !text.is_empty() {
-                let _ = stream.send(ReplyEvent::Text { text });
-            }
-            if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
-        });
-        match joined {
-            Ok(None) => {
-                self.live.insert(id, events);
-            }
-            Ok(Some(outcome)) => {
-                let _ = events.send(ReplyEvent::Done(Box::new(outcome)));
-            }
-            Err(error) => {
-                let _ = events.send(failed(error.into()));
+    /// A reply that came: it joins now, or waits behind those already waiting.
+    fn arrive(&mut self, pending: Pending) {
+        if self.waiting.is_empty() {
+            self.join(pending);
+        } else {
+            self.wait(pending, "replies that came before it are waiting too".into());
+        }
+    }
+
+    /// Joins the replies waiting, in order, until one still does not fit.
+    fn admit_waiting(&mut self) {
+        while self.waiting.front().is_some() {
+            let Some(pending) = self.waiting.pop_front() else { break };
+            if !self.join_or_wait(pending, true) {
+                break;
             }
         }
     }
 
-    /// One step of every reply; `false` when the batched pass failed (every reply in it is
-    /// told, and the batch is over).
-    fn step(&mut self) -> bool {
+    /// Ends the waiting replies that were stopped.
+    fn drop_stopped(&mut self) {
+        self.waiting.retain(|p| {
+            let stopped = p.cancel.load(Ordering::SeqCst);
+            if stopped {
+                let _ = p.events.send(ReplyEvent::StoppedWaiting);
+            }
+            !stopped
+        });
+    }
+
+    fn join(&mut self, pending: Pending) {
+        self.join_or_wait(pending, false);
+    }
+
+    /// Joins `pending`, or puts it back in line (at the front when it was first in line);
+    /// `false` when it waits.
+    fn join_or_wait(&mut self, pending: Pending, front: bool) -> bool {
+        let id = self.next;
+        let stream = pending.events.clone();
+        let cancel = pending.cancel.clone();
+        let joined =
+            self.batch.join(id, &pending.turn, move |TurnEvent::Token { text, .. }| {
+                if !text.is_empty() {
+                    let _ = stream.send(ReplyEvent::Text { text });
+                }
+                if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
+            });
+        match joined {
+            Ok(Joined::Decoding) => {
+                self.next += 1;
+                self.live.insert(id, pending.events);
+            }
+            Ok(Joined::Ended(outcome)) => {
+                self.next += 1;
+                let _ = pending.events.send(ReplyEvent::Done(outcome));
+            }
+            Ok(Joined::Waits { needed, available }) => {
+                let reason = format!(
+                    "its KV cache ({}) fits the memory limit only once a reply running now has \
+                     finished ({} free beside them)",
+                    engine::memory::human(needed),
+                    engine::memory::human(available)
+                );
+                if front {
+                    self.tell(&pending, reason);
+                    self.waiting.push_front(pending);
+                } else {
+                    self.wait(pending, reason);
+                }
+                return false;
+            }
+            Err(error) => {
+                let _ = pending.events.send(failed(error.into()));
+            }
+        }
+        true
+    }
+
+    /// Puts `pending` last in line.
+    fn wait(&mut self, mut pending: Pending, reason: String) {
+        self.tell(&pending, reason);
+        pending.queued = true;
+        self.waiting.push_back(pending);
+    }
+
+    /// Tells a reply, once, that it waits.
+    fn tell(&self, pending: &Pending, reason: String) {
+        if !pending.queued {
+            let _ = pending.events.send(ReplyEvent::Queued { reason });
+        }
+    }
+
+    /// One step of every reply: how many ended, `None` when the batched pass failed (every
+    /// reply in it is told, and the batch is over).
+    fn step(&mut self) -> Option<usize> {
         match self.batch.step() {
             Ok(ended) => {
+                let count = ended.len();
                 for (id, outcome) in ended {
                     let Some(events) = self.live.remove(&id) else { continue };
                     let _ = events.send(match outcome {
@@ -364,14 +493,14 @@ impl Together<'_> {
                         Err(error) => failed(error.into()),
                     });
                 }
-                true
+                Some(count)
             }
             Err(error) => {
                 let error = Error::from(error);
                 for (_, events) in self.live.drain() {
                     let _ = events.send(failed(error.clone_message()));
                 }
-                false
+                None
             }
         }
     }

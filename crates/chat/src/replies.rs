@@ -510,6 +510,13 @@ impl Chat {
                         pending = 0;
                     }
                 }
+                ReplyEvent::Queued { reason } => on_event(StreamEvent::Queued { reason }),
+                ReplyEvent::StoppedWaiting => {
+                    self.store.finish_reply(reply.id, &text, MessageState::Stopped, None).await?;
+                    let done = self.thread_message(self.store.message(reply.id).await?).await?;
+                    on_event(StreamEvent::Done { reply: done.clone() });
+                    return Ok(done);
+                }
                 ReplyEvent::Done(outcome) => {
                     let TurnOutcome { tokens, stats, resumed_from, checkpoint, rejected, .. } =
                         *outcome;

@@ -186,6 +186,12 @@ pub enum StreamEvent {
         /// The reply being written.
         reply: ThreadMessage,
     },
+    /// The reply waits for replies running now (in other conversations) to finish before it
+    /// starts; it is kept in line and starts on its own. Sent before any text.
+    Queued {
+        /// Why it waits, in words.
+        reason: String,
+    },
     /// More reply text.
     Text {
         /// The piece to append.

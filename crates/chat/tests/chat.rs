@@ -774,6 +774,7 @@ impl StreamLog {
             let kind = match e {
                 StreamEvent::Text { .. } => "text",
                 StreamEvent::Done { .. } => "done",
+                StreamEvent::Queued { .. } => "queued",
                 _ => "other",
             };
             log.lock().unwrap().push((c, kind));
@@ -868,6 +869,88 @@ async fn two_conversations_stream_at_once_and_each_reply_is_its_own() {
     // The next turns resume from each conversation's own checkpoint.
     let (next, _) = send(&chat, b, "Thanks.", &[]).await;
     assert!(next.unwrap().stats.unwrap().reused_tokens > 0, "b resumed from its checkpoint");
+}
+
+/// A reply whose KV cache fits the memory limit alone but not beside a reply decoding waits in
+/// line and is told so; one after it waits behind it, and stopping that one ends it without
+/// running. When the first reply ends the waiting one runs: none is refused or lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_over_the_memory_left_beside_others_waits_then_runs() {
+    use chat::view::AppSettings;
+    const LONG: u32 = 32_000;
+    let f = fixture();
+    // One reply's KV cache at its longest, as the guard projects it.
+    let one = {
+        let model =
+            engine::registry::load_model(&f.model, &engine::LoadOptions::default()).unwrap();
+        let plan = model.cache_plan().with_kv(&engine::cache::KvOptions::default()).unwrap();
+        plan.projected_bytes(LONG as usize + 64) as u64
+    };
+    assert!(one > 4_000_000, "a long reply's KV cache dwarfs what is in flight: {one}");
+    let (chat, a) = ready(&f, LONG).await;
+    let (b, c) = (
+        chat.create_conversation().await.unwrap().id,
+        chat.create_conversation().await.unwrap().id,
+    );
+    chat.set_settings(b, &greedy(LONG)).await.unwrap();
+    chat.set_settings(c, &greedy(LONG)).await.unwrap();
+    // Room for one such reply beside what is in use (the weights), not for two.
+    let app = chat.app_settings().await.unwrap();
+    let limit = engine::memory::in_use().unwrap() + one * 19 / 10;
+    let share = limit as f64 / app.recommended_memory as f64;
+    chat.set_app_settings(&AppSettings { memory_share: share, ..app }).await.unwrap();
+
+    let log = StreamLog::default();
+    let spawn = |conversation: i64, text: &'static str| {
+        let (chat, on) = (chat.clone(), log.recorder(conversation));
+        tokio::spawn(async move { chat.send(conversation, text, &[], on).await })
+    };
+    let wait_for = |event: (i64, &'static str)| {
+        let (log, chat) = (log.clone(), chat.clone());
+        async move {
+            let waited = tokio::time::timeout(std::time::Duration::from_secs(120), async {
+                while !log.events().contains(&event) {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+            });
+            if waited.await.is_err() {
+                // Stopped first: the engine thread would finish the long replies before the
+                // test could end.
+                for conversation in [a, b, c] {
+                    chat.stop(conversation);
+                }
+                let events = log.events();
+                panic!(
+                    "no {event:?} in 120 s; the first events: {:?}",
+                    &events[..events.len().min(12)]
+                );
+            }
+        }
+    };
+    let first = spawn(a, "Tell me a very long story.");
+    wait_for((a, "text")).await;
+    let second = spawn(b, "What is a quince?");
+    wait_for((b, "queued")).await;
+    let third = spawn(c, "And a pear?");
+    wait_for((c, "queued")).await;
+    assert!(chat.stop(c), "the third reply is in flight while it waits");
+    let third = third.await.unwrap().unwrap();
+    assert_eq!((third.state, third.content.as_str()), (MessageState::Stopped, ""));
+    assert!(!log.events().contains(&(b, "text")), "the second waits: {:?}", log.events());
+
+    assert!(chat.stop(a));
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.state, MessageState::Stopped);
+    wait_for((b, "text")).await;
+    assert!(chat.stop(b));
+    let second = second.await.unwrap().unwrap();
+    assert_eq!(second.state, MessageState::Stopped);
+    assert!(!second.content.is_empty(), "the second ran once the first had finished");
+    let events = log.events();
+    let a_last = events.iter().rposition(|&e| e == (a, "text")).unwrap();
+    let b_first = events.iter().position(|&e| e == (b, "text")).unwrap();
+    assert!(a_last < b_first, "{events:?}");
+    assert!(!events.contains(&(c, "text")), "the stopped one never ran: {events:?}");
 }
 
 /// A reply whose chat keeps its KV cache in another storage than the replies decoding waits

@@ -141,6 +141,16 @@ impl<'m> Batch<'m> {
         self.rows.iter().map(|r| r.id).collect()
     }
 
+    /// Row `id`'s tokens generated so far and its token budget.
+    pub fn progress(&self, id: RowId) -> Option<(usize, usize)> {
+        self.rows.iter().find(|r| r.id == id).map(|r| (r.tokens.len(), r.max_tokens))
+    }
+
+    /// Bytes the rows' caches hold now.
+    pub fn kv_bytes(&self) -> u64 {
+        self.layers.iter().flat_map(|l| l.buffers()).map(|b| b.nbytes() as u64).sum()
+    }
+
     /// Prefills `request` alone on `caches` (fresh, or holding a prefix the prompt continues)
     /// and samples its first token. Returns that token's event and, when the request ended with
     /// it, its [`BatchEvent::Finished`]; otherwise the row joins the batch and decodes from the

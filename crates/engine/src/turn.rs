@@ -28,13 +28,14 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-pub use batch::TurnBatch;
+pub use batch::{Joined, TurnBatch};
 pub use drafters::Drafters;
 
 use crate::cache::{KvOptions, stack_offset};
 use crate::error::{Error, Result};
 use crate::generate::{Flow, GenerateRequest, Generation, StopReason, generate};
 use crate::kv_file::{self, Identity};
+use crate::memory::{Beside, Fit};
 use crate::models::Model;
 use crate::options::LoadOptions;
 use crate::sampling::SamplingParams;
@@ -258,6 +259,8 @@ struct Opened {
     resumed: Option<(i64, kv_file::Contents)>,
     /// The caches (moved into a batch while the turn decodes in one).
     caches: Vec<Box<dyn crate::cache::Cache>>,
+    /// The caches' layout, storage chosen.
+    plan: crate::cache::CachePlan,
     /// Prompt positions restored.
     reused: usize,
     /// What generation appends and decodes.
@@ -327,10 +330,14 @@ impl<'t> ReplyText<'t> {
 /// A turn [`ChatModel::admit`] let through: its images, its prompt, the reply's length, the
 /// caches' plan.
 struct Admitted {
+    /// When the turn began (TTFT counts from here).
+    started: Instant,
     prepared: Vec<crate::vision::PreparedImage>,
     prompt: Vec<u32>,
     max_tokens: usize,
     plan: crate::cache::CachePlan,
+    /// Whether its KV cache fits now beside the replies decoding (always, alone).
+    fit: Fit,
 }
 
 impl ChatModel {
@@ -408,12 +415,21 @@ impl ChatModel {
     /// cache within the memory limit. What [`ChatModel::answer`] checks first, for a caller
     /// that wants to know before it stores anything.
     pub fn check(&self, turn: &Turn) -> Result<()> {
-        self.admit(turn).map(|_| ())
+        self.admit(turn, Beside::NONE).map(|_| ())
     }
 
-    /// The checks [`ChatModel::check`] names, and what they computed.
-    fn admit(&self, turn: &Turn) -> Result<Admitted> {
+    /// The checks [`ChatModel::check`] names, and what they computed; the memory check made
+    /// beside the replies decoding with the turn (`beside`).
+    fn admit(&self, turn: &Turn, beside: Beside) -> Result<Admitted> {
+        // TTFT counts everything from here: images, template, the checkpoint read, the prefill.
+        let started = Instant::now();
         let model = self.model();
+        if !turn.stop_strings.is_empty() && self.tokenizer.is_none() {
+            return Err(Error::InvalidRequest(format!(
+                "stop strings need a tokenizer; {} has none",
+                self.path.display()
+            )));
+        }
         // Every image is read and sized first: a bad file fails here, before any prompt work.
         let prepared = prompt::prepare_images(model, &turn.prompt, turn.max_soft_tokens)?;
         let prompt = prompt::render(self, &turn.prompt, &prepared, true, &turn.template_options())?;
@@ -424,10 +440,13 @@ impl ChatModel {
         // A reply may use the rest of the context, no more.
         let max_tokens = turn.max_tokens.min(limit - prompt.len());
         let plan = model.cache_plan().with_kv(&turn.kv)?;
-        if let Some(share) = turn.memory_share {
-            crate::memory::check_kv(&plan, &turn.kv, prompt.len() + max_tokens, share)?;
-        }
-        Ok(Admitted { prepared, prompt, max_tokens, plan })
+        let fit = match turn.memory_share {
+            Some(share) => {
+                crate::memory::check_kv(&plan, &turn.kv, prompt.len() + max_tokens, share, beside)?
+            }
+            None => Fit::Now,
+        };
+        Ok(Admitted { started, prepared, prompt, max_tokens, plan, fit })
     }
 
     /// Answers `turn` (see the module docs), streaming each token to `on_event`, which may stop
@@ -439,7 +458,7 @@ impl ChatModel {
         drafters: &mut Drafters,
         mut on_event: impl FnMut(TurnEvent) -> Flow,
     ) -> Result<TurnOutcome> {
-        let mut opened = self.open(turn)?;
+        let mut opened = self.open(turn, self.admit(turn, Beside::NONE)?)?;
         let model = self.model();
         let mut method = drafters.method(self, &turn.speculation)?;
         if let (Some(m), Some((_, contents))) = (method.as_deref_mut(), &opened.resumed) {
@@ -474,20 +493,12 @@ impl ChatModel {
         turn.speculation == Speculation::Off && self.model().cache_plan().attention_only()
     }
 
-    /// What [`ChatModel::answer`] does before the first token: the turn admitted, its prompt
-    /// rendered, the best checkpoint restored, the request made (and, for state that cannot be
-    /// trimmed, the prompt's history prefilled).
-    fn open(&self, turn: &Turn) -> Result<Opened> {
-        // TTFT counts everything from here: images, template, the checkpoint read, the prefill.
-        let started = Instant::now();
+    /// What [`ChatModel::answer`] does before the first token, once the turn is `admitted`:
+    /// its best checkpoint restored, the request made (and, for state that cannot be trimmed,
+    /// the prompt's history prefilled).
+    fn open(&self, turn: &Turn, admitted: Admitted) -> Result<Opened> {
         let model = self.model();
-        if !turn.stop_strings.is_empty() && self.tokenizer.is_none() {
-            return Err(Error::InvalidRequest(format!(
-                "stop strings need a tokenizer; {} has none",
-                self.path.display()
-            )));
-        }
-        let Admitted { prepared, prompt, max_tokens, plan } = self.admit(turn)?;
+        let Admitted { started, prepared, prompt, max_tokens, plan, .. } = admitted;
         let mut stop_tokens = model.eos_token_ids();
         if let Some(tokenizer) = &self.tokenizer {
             stop_tokens.extend_from_slice(tokenizer.stop_tokens());
@@ -531,6 +542,7 @@ impl ChatModel {
             restore_ms,
             resumed: resumed.from,
             caches,
+            plan,
             reused,
             request,
             prompt_state,

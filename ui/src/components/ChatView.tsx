@@ -16,6 +16,16 @@ function WaitingRow({ waiting }: { waiting: Waiting }) {
   );
 }
 
+/** The row under a reply that waits in line for replies of other conversations to finish. */
+function QueuedRow({ reason }: { reason: string }) {
+  return (
+    <div className="reply-waiting" data-testid="queued" role="status" title={reason}>
+      <span className="spinner" aria-hidden="true" />
+      Waiting for another chat's reply to finish: {reason}.
+    </div>
+  );
+}
+
 export function ChatView({
   detail,
   streaming,
@@ -28,6 +38,7 @@ export function ChatView({
   onSwitchBranch,
   onRetry,
   waiting,
+  queued,
   composer,
 }: {
   detail: ConversationDetail | null;
@@ -45,6 +56,8 @@ export function ChatView({
   onRetry: (id: number) => void;
   /** Set while the reply in this conversation waits for its model. */
   waiting: Waiting | null;
+  /** Set while the reply in this conversation waits in line behind other chats' replies. */
+  queued: string | null;
   composer: ReactNode;
 }) {
   const scrollRef = useRef<HTMLDivElement>(null);
@@ -130,6 +143,7 @@ export function ChatView({
               />
             ))}
             {waiting && streaming ? <WaitingRow waiting={waiting} /> : null}
+            {queued && streaming && !waiting ? <QueuedRow reason={queued} /> : null}
             {!streaming && last?.role === "user" ? (
               <div className="reply-missing" data-testid="unanswered">
                 Not answered yet.

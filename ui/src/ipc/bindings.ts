@@ -365,7 +365,11 @@ user: ThreadMessage | null,
 /**
  * The reply being written.
  */
-reply: ThreadMessage, } | { "kind": "text", 
+reply: ThreadMessage, } | { "kind": "queued", 
+/**
+ * Why it waits, in words.
+ */
+reason: string, } | { "kind": "text", 
 /**
  * The piece to append.
  */

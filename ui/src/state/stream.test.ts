@@ -30,7 +30,7 @@ describe("chatReducer", () => {
 
   it("sending marks a reply in flight before started arrives", () => {
     const s = chatReducer(loaded(), { type: "sending", conversationId: 1 });
-    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: null, waiting: null, userStored: false });
+    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: null, waiting: null, userStored: false, queued: null });
     expect(isStreamingHere(s)).toBe(true);
   });
 
@@ -39,14 +39,14 @@ describe("chatReducer", () => {
     const progress = { model: "Demo", stage: "Warming up", done: 2, total: 3 };
     s = chatReducer(s, actionFromEvent(1, { kind: "waiting", user, ...progress }));
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10]);
-    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: null, waiting: progress, userStored: true });
+    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: null, waiting: progress, userStored: true, queued: null });
     // Later stages repeat the user message: it is shown once.
     s = chatReducer(s, { type: "waiting", conversationId: 1, user, waiting: { ...progress, done: 3 } });
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10]);
     expect(s.inFlight[1]?.waiting?.done).toBe(3);
     s = chatReducer(s, { type: "started", conversationId: 1, user, reply: placeholder });
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10, 11]);
-    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true });
+    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true, queued: null });
   });
 
   it("a failed wait keeps the stored user message and clears the reply in flight", () => {
@@ -62,7 +62,7 @@ describe("chatReducer", () => {
     const s = started();
     expect(s.detail?.messages.map((m) => m.id)).toEqual([10, 11]);
     expect(s.detail?.messages[1].state).toBe("streaming");
-    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true });
+    expect(s.inFlight[1]).toEqual({ conversationId: 1, replyId: 11, waiting: null, userStored: true, queued: null });
   });
 
   it("started with a null user (regenerate) branches off the reply's parent", () => {
@@ -197,7 +197,7 @@ describe("chatReducer", () => {
       reply: msg({ id: 51, parent_id: 50, role: "assistant" }),
     });
     expect(streamingConversations(s).sort()).toEqual([1, 2]);
-    expect(s.inFlight[2]).toEqual({ conversationId: 2, replyId: 51, waiting: null, userStored: true });
+    expect(s.inFlight[2]).toEqual({ conversationId: 2, replyId: 51, waiting: null, userStored: true, queued: null });
     // The one shown streams into its detail; the other's text is not its business.
     s = chatReducer(s, { type: "text", conversationId: 1, text: "one" });
     s = chatReducer(s, { type: "text", conversationId: 2, text: "two" });
@@ -210,7 +210,33 @@ describe("chatReducer", () => {
     expect(s.detail!.messages[1]).toMatchObject({ content: "one", state: "stopped" });
   });
 
+  it("queued marks a reply waiting in line until its first text, also one not shown", () => {
+    let s = started();
+    s = chatReducer(s, actionFromEvent(1, { kind: "queued", reason: "it waits" }));
+    expect(s.inFlight[1].queued).toBe("it waits");
+    expect(isStreamingHere(s)).toBe(true);
+    s = chatReducer(s, { type: "text", conversationId: 1, text: "at last" });
+    expect(s.inFlight[1].queued).toBeNull();
+    expect(s.detail!.messages[1].content).toBe("at last");
+    // A conversation not shown: its marker changes, the detail shown does not.
+    s = chatReducer(s, { type: "sending", conversationId: 2 });
+    s = chatReducer(s, { type: "queued", conversationId: 2, reason: "behind 1" });
+    const shown = s.detail;
+    s = chatReducer(s, { type: "text", conversationId: 2, text: "x" });
+    expect(s.inFlight[2].queued).toBeNull();
+    expect(s.detail).toBe(shown);
+    // Stopped while it waits: it leaves the in-flight replies.
+    s = chatReducer(s, { type: "queued", conversationId: 1, reason: "again" });
+    s = chatReducer(s, { type: "done", conversationId: 1, reply: msg({ id: 11, role: "assistant", state: "stopped" }) });
+    expect(s.inFlight[1]).toBeUndefined();
+  });
+
   it("actionFromEvent maps every channel event", () => {
+    expect(actionFromEvent(4, { kind: "queued", reason: "r" })).toEqual({
+      type: "queued",
+      conversationId: 4,
+      reason: "r",
+    });
     expect(actionFromEvent(4, { kind: "text", text: "a" })).toEqual({ type: "text", conversationId: 4, text: "a" });
     expect(actionFromEvent(4, { kind: "started", user: null, reply: placeholder })).toMatchObject({
       type: "started",

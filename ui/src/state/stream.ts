@@ -13,6 +13,11 @@ export type InFlight = {
   waiting: Waiting | null;
   /** Whether the user message is stored (a `waiting` or `started` event carried it). */
   userStored: boolean;
+  /**
+   * Set while the reply waits in line for replies of other conversations to finish
+   * (`queued`), until its first text: why, in words.
+   */
+  queued: string | null;
 };
 
 export type ChatState = {
@@ -31,6 +36,7 @@ export type ChatAction =
   | { type: "sending"; conversationId: number }
   | { type: "waiting"; conversationId: number; user: ThreadMessage | null; waiting: Waiting }
   | { type: "started"; conversationId: number; user: ThreadMessage | null; reply: ThreadMessage }
+  | { type: "queued"; conversationId: number; reason: string }
   | { type: "text"; conversationId: number; text: string }
   | { type: "done"; conversationId: number; reply: ThreadMessage }
   | { type: "failed"; conversationId: number; message: string; reply: ThreadMessage | null }
@@ -51,6 +57,8 @@ export function actionFromEvent(conversationId: number, ev: StreamEvent): ChatAc
         user: ev.user,
         waiting: { model: ev.model, stage: ev.stage, done: ev.done, total: ev.total },
       };
+    case "queued":
+      return { type: "queued", conversationId, reason: ev.reason };
     case "text":
       return { type: "text", conversationId, text: ev.text };
     case "done":
@@ -132,6 +140,7 @@ export function chatReducer(state: ChatState, action: ChatAction): ChatState {
           replyId: null,
           waiting: null,
           userStored: false,
+          queued: null,
         }),
         error: null,
       };
@@ -162,6 +171,7 @@ export function chatReducer(state: ChatState, action: ChatAction): ChatState {
         replyId: action.reply.id,
         waiting: null,
         userStored: (mine?.userStored ?? false) || action.user !== null,
+        queued: mine?.queued ?? null,
       };
       const inFlight = withInFlight(state.inFlight, action.conversationId, entry);
       if (!here) return mine !== null ? { ...state, inFlight } : state;
@@ -171,11 +181,21 @@ export function chatReducer(state: ChatState, action: ChatAction): ChatState {
         detail: { ...detail, messages: insertStarted(detail.messages, action.user, action.reply) },
       };
     }
+    case "queued": {
+      if (mine === null) return state;
+      const inFlight = withInFlight(state.inFlight, action.conversationId, { ...mine, queued: action.reason });
+      return { ...state, inFlight };
+    }
     case "text": {
-      if (!here || mine?.replyId == null || action.text === "") return state;
+      // The first text ends the wait in line.
+      const next: ChatState =
+        mine !== null && mine.queued !== null
+          ? { ...state, inFlight: withInFlight(state.inFlight, action.conversationId, { ...mine, queued: null }) }
+          : state;
+      if (!here || mine?.replyId == null || action.text === "") return next;
       const replyId = mine.replyId;
       return {
-        ...state,
+        ...next,
         detail: mapMessages(detail, (m) => (m.id === replyId ? { ...m, content: m.content + action.text } : m)),
       };
     }

@@ -2,6 +2,12 @@
 //! restored from its checkpoint, its images encoded), joins a [`Batch`] after its own prefill,
 //! decodes among the others, and is closed as `answer` closes it (its checkpoint written at
 //! the turn's boundary). What each turn streams and returns is what `answer` gives it alone.
+//!
+//! Admission: a turn joins only when its KV cache, projected at its longest reply, fits the
+//! memory limit beside what the rows hold and may still take ([`crate::memory::check_kv`]). A
+//! turn that fits alone but not beside them is not joined ([`Joined::Waits`]): the caller
+//! keeps it and asks again once a row has left. A turn that would not fit even alone is
+//! refused, as [`ChatModel::answer`] refuses it.
 
 use std::collections::HashMap;
 
@@ -10,6 +16,7 @@ use crate::batch::{Batch, BatchEvent, Finished, RowId};
 use crate::cache::KvOptions;
 use crate::error::{Error, Result};
 use crate::generate::Flow;
+use crate::memory::{Beside, Fit};
 
 /// The callback a turn streams its events to; [`Flow::Stop`] ends the turn after that token.
 type OnEvent<'c> = Box<dyn FnMut(TurnEvent) -> Flow + 'c>;
@@ -20,6 +27,23 @@ struct Row<'c> {
     opened: Opened,
     reply: ReplyText<'c>,
     on_event: OnEvent<'c>,
+}
+
+/// What [`TurnBatch::join`] did with a turn.
+#[derive(Debug)]
+pub enum Joined {
+    /// It decodes with the others from the next [`TurnBatch::step`].
+    Decoding,
+    /// It ended with its first token.
+    Ended(Box<TurnOutcome>),
+    /// Nothing ran: its KV cache fits the memory limit alone but not beside what the turns
+    /// decoding may still take. Join it again once one of them has ended.
+    Waits {
+        /// Its projected KV bytes.
+        needed: u64,
+        /// What the limit leaves it beside the turns decoding.
+        available: u64,
+    },
 }
 
 /// Turns of one model decoding together. See the module docs.
@@ -61,16 +85,17 @@ impl<'c> TurnBatch<'c> {
     }
 
     /// Opens `turn`, prefills it alone and streams its first token to `on_event`; the turn then
-    /// decodes with the others at each [`TurnBatch::step`]. Returns its outcome when it ended
-    /// with its first token. A turn the batch does not take ([`ChatModel::batches`]) or that
-    /// fails to open (an unreadable image, a prompt over the context) is refused, and the
-    /// other turns are unaffected.
+    /// decodes with the others at each [`TurnBatch::step`]. A turn whose KV cache fits only
+    /// once other turns end is not opened ([`Joined::Waits`]). A turn the batch does not take
+    /// ([`ChatModel::batches`]) or that fails to open (an unreadable image, a prompt over the
+    /// context, a KV cache over the memory limit even alone) is refused, and the other turns
+    /// are unaffected.
     pub fn join(
         &mut self,
         id: RowId,
         turn: &Turn,
         on_event: impl FnMut(TurnEvent) -> Flow + 'c,
-    ) -> Result<Option<TurnOutcome>> {
+    ) -> Result<Joined> {
         if !self.takes(turn) {
             return Err(Error::InvalidRequest(
                 "this turn cannot join the batch (a draft method, state other than keys and \
@@ -81,7 +106,11 @@ impl<'c> TurnBatch<'c> {
         if self.rows.contains_key(&id) {
             return Err(Error::InvalidRequest(format!("turn {id} is already in the batch")));
         }
-        let mut opened = self.chat.open(turn)?;
+        let admitted = self.chat.admit(turn, self.beside())?;
+        if let Fit::AfterOthers { needed, available } = admitted.fit {
+            return Ok(Joined::Waits { needed, available });
+        }
+        let mut opened = self.chat.open(turn, admitted)?;
         let caches = std::mem::take(&mut opened.caches);
         let reply = ReplyText::new(self.chat, turn, opened.started);
         let row = Row { turn: turn.clone(), opened, reply, on_event: Box::new(on_event) };
@@ -98,7 +127,27 @@ impl<'c> TurnBatch<'c> {
             self.kv = Some(turn.kv);
         }
         let mut outcomes = self.route(events)?;
-        outcomes.pop().map(|(_, outcome)| outcome).transpose()
+        match outcomes.pop() {
+            Some((_, outcome)) => Ok(Joined::Ended(Box::new(outcome?))),
+            None => Ok(Joined::Decoding),
+        }
+    }
+
+    /// The KV memory of the turns decoding: what their caches hold, and what each may still
+    /// take (its projection at its longest reply, less its projection now).
+    pub fn beside(&self) -> Beside {
+        let growth = self
+            .rows
+            .iter()
+            .filter_map(|(&id, row)| {
+                let (generated, budget) = self.batch.progress(id)?;
+                let now = row.opened.prompt.len() + generated;
+                let plan = &row.opened.plan;
+                let most = plan.projected_bytes(now + budget.saturating_sub(generated));
+                Some(most.saturating_sub(plan.projected_bytes(now)) as u64)
+            })
+            .sum();
+        Beside { held: self.batch.kv_bytes(), growth }
     }
 
     /// One decode step for every turn; returns the turns that ended, each with its outcome
