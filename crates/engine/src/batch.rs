@@ -4,9 +4,12 @@
 //! images and from whatever prefix its caches hold, such as a restored KV checkpoint), so a
 //! long prompt never stalls the rows already decoding for more than its own prefill. From then
 //! on every [`Batch::step`] appends each row's next token in one batched decode pass: each
-//! layer's cache is a [`CacheRows`] holding every row at its own offset, the model rotates
-//! each row at its own position ([`crate::cache::Cache::row_offsets`]), and the read hides
-//! each row's left padding. A lone row runs the model's compiled step instead, as a reply
+//! layer's state is a batch of rows of its storage ([`crate::cache::BatchRows`], made by
+//! [`crate::cache::Cache::empty_rows`]): keys and values in [`crate::cache::CacheRows`], whose
+//! read hides each row's left padding; gated DeltaNet state in
+//! [`crate::cache::RecurrentRows`], one recurrence for every row; a multimodal-RoPE model's
+//! position shifts in [`crate::cache::PositionRows`]. The model rotates each row at its own
+//! position ([`crate::cache::Cache::row_offsets`]). A lone row runs the model's compiled step instead, as a reply
 //! outside a batch does. Steps are pipelined as [`crate::generate::generate`]'s are (a pass is
 //! built on the tokens the last one sampled before they are read). Each row samples its own
 //! logits with its own [`Sampler`] (seed, temperature, penalties), stops on its own stop
@@ -22,7 +25,7 @@ use std::time::Instant;
 
 use mlx::Array;
 
-use crate::cache::{Cache, CacheRows};
+use crate::cache::{BatchRows, Cache};
 use crate::error::{Error, Result};
 use crate::generate::{GenerateRequest, Generation, GenerationStats, StopReason};
 use crate::models::{Model, Phase};
@@ -155,7 +158,7 @@ impl<'m> Batch<'m> {
     /// and samples its first token. Returns that token's event and, when the request ended with
     /// it, its [`BatchEvent::Finished`]; otherwise the row joins the batch and decodes from the
     /// next [`Batch::step`]. A request the batch cannot take (a model whose layers keep state
-    /// other than keys and values, caches of another storage than the rows', a duplicate id)
+    /// that does not batch, caches of another storage than the rows', a duplicate id)
     /// is refused before its prefill, and the batch is unchanged.
     pub fn join(
         &mut self,
@@ -198,10 +201,13 @@ impl<'m> Batch<'m> {
             return Ok(events);
         }
         if self.layers.is_empty() {
-            self.layers = (0..caches.len()).map(|_| Box::new(CacheRows::new()) as _).collect();
+            self.layers = caches
+                .iter()
+                .map(|c| c.empty_rows().ok_or_else(|| unbatched(c.as_ref())))
+                .collect::<Result<_>>()?;
         }
         for (layer, cache) in self.layers.iter_mut().zip(caches) {
-            rows_of(layer.as_mut())?.merge_rows(vec![cache])?;
+            rows_of(layer.as_mut())?.merge_row(cache)?;
         }
         self.rows.push(row);
         Ok(events)
@@ -318,11 +324,8 @@ impl<'m> Batch<'m> {
         if self.rows.iter().any(|r| r.id == id) {
             return Err(Error::InvalidRequest(format!("row {id} is already in the batch")));
         }
-        if let Some(other) = caches.iter().find(|c| c.as_attention().is_none()) {
-            return Err(Error::InvalidRequest(format!(
-                "this model keeps {} state, which does not batch yet: its replies run one at a time",
-                other.signature()
-            )));
+        if let Some(other) = caches.iter().find(|c| c.empty_rows().is_none()) {
+            return Err(unbatched(other.as_ref()));
         }
         if self.layers.is_empty() || self.rows.is_empty() {
             return Ok(());
@@ -347,8 +350,15 @@ impl<'m> Batch<'m> {
     }
 }
 
-fn rows_of(layer: &mut dyn Cache) -> Result<&mut CacheRows> {
+fn rows_of(layer: &mut dyn Cache) -> Result<&mut dyn BatchRows> {
     layer
-        .as_rows_mut()
+        .as_batch_rows_mut()
         .ok_or_else(|| Error::InvalidRequest("a batch layer is not a batch of rows".into()))
+}
+
+fn unbatched(cache: &dyn Cache) -> Error {
+    Error::InvalidRequest(format!(
+        "this model keeps {} state, which does not batch: its replies run one at a time",
+        cache.signature()
+    ))
 }

@@ -70,7 +70,7 @@ pub(crate) use kv::Codec;
 pub use kv::{KvEncoding, KvFormat};
 pub use plain::PlainCache;
 pub use plan::{CachePlan, KvLayers, KvOptions, KvShape, Layout, Storage};
-pub use positions::PositionCache;
+pub use positions::{PositionCache, PositionRows};
 pub use read::AttentionRead;
 pub(crate) use read::{ReadMask, overlay_mask};
 pub use rotating::RotatingCache;
@@ -141,15 +141,49 @@ pub trait Cache: std::fmt::Debug {
     fn row_offsets(&self) -> Option<Vec<usize>> {
         None
     }
-    /// This cache as a batch of rows, when it is one (a speculative round resolved with a
-    /// keep count per row, rows joining and leaving).
-    fn as_rows_mut(&mut self) -> Option<&mut CacheRows> {
+    /// This cache as a batch of rows, when it is one (rows joining and leaving).
+    fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
+        None
+    }
+    /// An empty batch of rows of this storage, for a batched forward pass ([`crate::batch`]):
+    /// this cache, and others of its signature, join it as rows. `None`: this state does not
+    /// batch.
+    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
+        // Keys and values batch as rows each in its own storage.
+        self.as_attention().map(|_| Box::new(CacheRows::new()) as Box<dyn Cache>)
+    }
+    /// This cache's contents, taken out as a gated DeltaNet layer's state (leaving it empty),
+    /// when it is one: how such a row joins [`RecurrentRows`].
+    fn take_recurrent(&mut self) -> Option<RecurrentCache> {
+        None
+    }
+    /// This cache's contents, taken out as a position shift (leaving it empty), when it is
+    /// one: how such a row joins [`PositionRows`].
+    fn take_positions(&mut self) -> Option<PositionCache> {
         None
     }
     /// A multimodal-RoPE model's position shift ([`PositionCache`]), when this is one.
     fn as_positions_mut(&mut self) -> Option<&mut PositionCache> {
         None
     }
+    /// A batch's position shifts, one per row ([`PositionRows`]), when this is one.
+    fn as_position_rows_mut(&mut self) -> Option<&mut PositionRows> {
+        None
+    }
+}
+
+/// A layer's state for several sequences at once, each at its own offset: the layout a batched
+/// forward pass appends to ([`crate::batch`]). Rows join from single-sequence caches of the
+/// batch's storage and leave as single-sequence caches holding, bit for bit, what the same
+/// appends would have left in them alone.
+pub trait BatchRows: Cache {
+    /// Rows in the batch.
+    fn batch_size(&self) -> usize;
+    /// Adds `row`, a single-sequence cache of the batch's storage, after the existing rows.
+    /// Outside a round.
+    fn merge_row(&mut self, row: Box<dyn Cache>) -> Result<()>;
+    /// Removes row `row` and returns it as a single-sequence cache. Outside a round.
+    fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>>;
 }
 
 /// A key/value cache that owns its attention reads. See the module docs for the invariants.

@@ -488,9 +488,9 @@ impl ChatModel {
     }
 
     /// Whether [`TurnBatch`] takes `turn`: plain decoding (a draft method verifies one
-    /// sequence's drafts) on a model whose every layer keeps keys and values.
+    /// sequence's drafts). Every storage batches ([`crate::cache::Cache::empty_rows`]).
     pub fn batches(&self, turn: &Turn) -> bool {
-        turn.speculation == Speculation::Off && self.model().cache_plan().attention_only()
+        turn.speculation == Speculation::Off
     }
 
     /// What [`ChatModel::answer`] does before the first token, once the turn is `admitted`:

@@ -13,7 +13,8 @@ use mlx::{Array, ops};
 
 use super::gated_delta::batch_row;
 use super::{
-    Cache, DeltaShape, GatedDeltaCache, GatedDeltaLayer, Keep, RecurrentCache, round_error,
+    BatchRows, Cache, CacheState, DeltaShape, GatedDeltaCache, GatedDeltaLayer, Keep,
+    RecurrentCache, round_error,
 };
 use crate::error::{Error, Result};
 
@@ -249,5 +250,123 @@ impl RecurrentRows {
             *o = start + k;
         }
         Ok(())
+    }
+}
+
+impl BatchRows for RecurrentRows {
+    fn batch_size(&self) -> usize {
+        RecurrentRows::batch_size(self)
+    }
+
+    fn merge_row(&mut self, mut row: Box<dyn Cache>) -> Result<()> {
+        let signature = row.signature();
+        let row = row.take_recurrent().ok_or_else(|| {
+            Error::InvalidRequest(format!("a batch of gated DeltaNet rows cannot take {signature}"))
+        })?;
+        self.merge_rows(vec![row])
+    }
+
+    fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>> {
+        Ok(Box::new(RecurrentRows::extract_row(self, row)?))
+    }
+}
+
+/// A batch is one layer's state in a batched forward pass: one recurrence serves every row,
+/// each at its own offset ([`Cache::row_offsets`]). Persistence and trims are refused: a row
+/// leaves the batch ([`RecurrentRows::extract_row`]) to be saved.
+impl Cache for RecurrentRows {
+    /// The longest row's offset.
+    fn offset(&self) -> usize {
+        self.offsets.iter().copied().max().unwrap_or(0)
+    }
+
+    fn signature(&self) -> String {
+        format!("rows({})", self.batch.signature())
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        0
+    }
+
+    fn stored_positions(&self) -> usize {
+        0
+    }
+
+    fn buffers(&self) -> Vec<Array> {
+        self.batch.buffers()
+    }
+
+    fn row_offsets(&self) -> Option<Vec<usize>> {
+        Some(self.offsets.clone())
+    }
+
+    fn state(&self) -> Result<CacheState> {
+        Err(Error::InvalidRequest("a batch is saved row by row: extract the row first".into()))
+    }
+
+    fn restore(&mut self, _state: &CacheState) -> Result<()> {
+        Err(Error::InvalidRequest("a batch is restored row by row: merge a restored row".into()))
+    }
+
+    fn is_trimmable(&self) -> bool {
+        false
+    }
+
+    fn trim(&mut self, _n: usize) -> Result<usize> {
+        Err(Error::InvalidRequest("a batch is trimmed row by row: extract the row first".into()))
+    }
+
+    fn spec_round_begin(&mut self) -> Result<()> {
+        RecurrentRows::spec_round_begin(self)
+    }
+
+    fn spec_round_commit(&mut self) -> Result<()> {
+        RecurrentRows::spec_round_commit(self)
+    }
+
+    /// The same count for every row ([`RecurrentRows::spec_round_rollback`] takes one per row).
+    fn spec_round_rollback(&mut self, keep: usize) -> Result<()> {
+        RecurrentRows::spec_round_rollback(self, Keep::All(keep))
+    }
+
+    fn as_gated_delta_mut(&mut self) -> Option<&mut dyn GatedDeltaCache> {
+        Some(self)
+    }
+
+    fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
+        Some(self)
+    }
+}
+
+impl GatedDeltaCache for RecurrentRows {
+    fn recur_decode(
+        &mut self,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
+        layer: &dyn GatedDeltaLayer,
+    ) -> Result<Array> {
+        RecurrentRows::recur_decode(self, qkv, a, b, layer)
+    }
+
+    fn recur_window(
+        &mut self,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
+        layer: &dyn GatedDeltaLayer,
+    ) -> Result<Array> {
+        RecurrentRows::recur_window(self, qkv, a, b, layer)
+    }
+
+    fn recur_window_padded(
+        &mut self,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
+        left_pad: &[usize],
+        layer: &dyn GatedDeltaLayer,
+    ) -> Result<Array> {
+        RecurrentRows::recur_window_padded(self, qkv, a, b, left_pad, layer)
     }
 }

@@ -658,6 +658,14 @@ impl Cache for RecurrentCache {
     fn as_gated_delta_mut(&mut self) -> Option<&mut dyn GatedDeltaCache> {
         Some(self)
     }
+
+    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
+        Some(Box::new(super::RecurrentRows::new(self.shape)))
+    }
+
+    fn take_recurrent(&mut self) -> Option<RecurrentCache> {
+        Some(std::mem::replace(self, RecurrentCache::new(self.shape)))
+    }
 }
 
 impl GatedDeltaCache for RecurrentCache {

@@ -222,12 +222,6 @@ impl CachePlan {
         Ok(CachePlan { layers, shapes: self.shapes.clone() })
     }
 
-    /// Whether every layer keeps keys and values (plain or rotating): what a batch of rows
-    /// takes ([`crate::batch`]).
-    pub fn attention_only(&self) -> bool {
-        self.layers.iter().all(|s| matches!(s.layout, Layout::Plain | Layout::Rotating { .. }))
-    }
-
     /// Whether a layer keeps recurrent state (which cannot be trimmed back to a prefix).
     pub fn has_recurrent_state(&self) -> bool {
         self.layers.iter().any(|s| matches!(s.layout, Layout::GatedDelta(_)))

@@ -11,7 +11,7 @@
 
 use mlx::Array;
 
-use super::{Cache, CacheState, check_signature, round_error};
+use super::{BatchRows, Cache, CacheState, check_signature, round_error};
 use crate::error::{Error, Result};
 
 /// A sequence's rope shift: from each offset in `changes` on, positions are the offset plus
@@ -116,6 +116,14 @@ impl Cache for PositionCache {
         Some(self)
     }
 
+    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
+        Some(Box::new(PositionRows::default()))
+    }
+
+    fn take_positions(&mut self) -> Option<PositionCache> {
+        Some(std::mem::take(self))
+    }
+
     fn is_trimmable(&self) -> bool {
         true
     }
@@ -160,6 +168,117 @@ impl Cache for PositionCache {
             self.changes.pop();
         }
         Ok(())
+    }
+}
+
+/// The position shifts of a batch's rows, each row's its own [`PositionCache`]: a batched pass
+/// rotates row `r` from [`PositionRows::next_positions`]`[r]`. Batched passes append text
+/// (a row's images are prefilled before it joins), so an append advances every row alike.
+#[derive(Debug, Default)]
+pub struct PositionRows {
+    rows: Vec<PositionCache>,
+}
+
+impl PositionRows {
+    /// Each row's next rope position.
+    pub fn next_positions(&self) -> Vec<i64> {
+        self.rows.iter().map(PositionCache::next_position).collect()
+    }
+
+    /// Records `n` text positions appended to every row.
+    pub fn advance(&mut self, n: usize) {
+        self.rows.iter_mut().for_each(|r| r.advance(n));
+    }
+}
+
+impl BatchRows for PositionRows {
+    fn batch_size(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn merge_row(&mut self, mut row: Box<dyn Cache>) -> Result<()> {
+        let signature = row.signature();
+        let row = row.take_positions().ok_or_else(|| {
+            Error::InvalidRequest(format!("a batch of rope positions cannot take {signature}"))
+        })?;
+        if row.round.is_some() {
+            return Err(round_error("a row joins outside a round"));
+        }
+        self.rows.push(row);
+        Ok(())
+    }
+
+    fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>> {
+        if row >= self.rows.len() {
+            return Err(Error::InvalidRequest(format!(
+                "row {row} of a batch of {}",
+                self.rows.len()
+            )));
+        }
+        Ok(Box::new(self.rows.remove(row)))
+    }
+}
+
+/// Whole-batch persistence, trims and rounds are refused: a row leaves the batch for them.
+impl Cache for PositionRows {
+    fn offset(&self) -> usize {
+        self.rows.iter().map(Cache::offset).max().unwrap_or(0)
+    }
+
+    fn signature(&self) -> String {
+        "rows(rope_positions)".into()
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        0
+    }
+
+    fn stored_positions(&self) -> usize {
+        0
+    }
+
+    fn buffers(&self) -> Vec<Array> {
+        Vec::new()
+    }
+
+    fn row_offsets(&self) -> Option<Vec<usize>> {
+        Some(self.rows.iter().map(Cache::offset).collect())
+    }
+
+    fn state(&self) -> Result<CacheState> {
+        Err(Error::InvalidRequest("a batch is saved row by row: extract the row first".into()))
+    }
+
+    fn restore(&mut self, _state: &CacheState) -> Result<()> {
+        Err(Error::InvalidRequest("a batch is restored row by row: merge a restored row".into()))
+    }
+
+    fn is_trimmable(&self) -> bool {
+        false
+    }
+
+    fn trim(&mut self, _n: usize) -> Result<usize> {
+        Err(Error::InvalidRequest("a batch is trimmed row by row: extract the row first".into()))
+    }
+
+    fn spec_round_begin(&mut self) -> Result<()> {
+        Err(round_error("a batch of rope positions takes no rounds yet"))
+    }
+
+    fn spec_round_commit(&mut self) -> Result<()> {
+        Err(round_error("commit without a round"))
+    }
+
+    fn spec_round_rollback(&mut self, _keep: usize) -> Result<()> {
+        Err(round_error("rollback without a round"))
+    }
+
+    fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
+        Some(self)
+    }
+
+    fn as_position_rows_mut(&mut self) -> Option<&mut PositionRows> {
+        Some(self)
     }
 }
 

@@ -21,7 +21,8 @@
 use mlx::{Array, Dtype, ops};
 
 use super::{
-    AttentionCache, AttentionRead, Cache, CacheState, ReadMask, check_append, round_error,
+    AttentionCache, AttentionRead, BatchRows, Cache, CacheState, ReadMask, check_append,
+    round_error,
 };
 use crate::error::{Error, Result};
 
@@ -308,8 +309,27 @@ impl Cache for CacheRows {
         Some(self)
     }
 
-    fn as_rows_mut(&mut self) -> Option<&mut CacheRows> {
+    fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
         Some(self)
+    }
+
+    /// A batch does not nest.
+    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
+        None
+    }
+}
+
+impl BatchRows for CacheRows {
+    fn batch_size(&self) -> usize {
+        CacheRows::batch_size(self)
+    }
+
+    fn merge_row(&mut self, row: Box<dyn Cache>) -> Result<()> {
+        self.merge_rows(vec![row])
+    }
+
+    fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>> {
+        CacheRows::extract_row(self, row)
     }
 }
 

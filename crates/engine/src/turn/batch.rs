@@ -98,8 +98,8 @@ impl<'c> TurnBatch<'c> {
     ) -> Result<Joined> {
         if !self.takes(turn) {
             return Err(Error::InvalidRequest(
-                "this turn cannot join the batch (a draft method, state other than keys and \
-                 values, or another KV storage than the batch's)"
+                "this turn cannot join the batch (a draft method, or another KV storage than \
+                 the batch's)"
                     .into(),
             ));
         }

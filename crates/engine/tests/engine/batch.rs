@@ -1,7 +1,8 @@
 //! Continuous batching ([`engine::batch::Batch`]) against the same requests run alone: rows
 //! of different lengths join at different steps, decode together, end at their own budgets,
 //! and generate what [`generate`] generates for each alone, greedy and sampled at fixed seeds,
-//! on the tiny Gemma 4 checkpoints (dense with and without an image, MoE, 4-bit) and Gemma 3's.
+//! on the tiny Gemma 4 checkpoints (dense with and without an image, MoE, 4-bit), Gemma 3's
+//! and Qwen3.5's (dense, MoE, with a vision tower).
 
 use std::collections::BTreeMap;
 
@@ -113,6 +114,8 @@ fn assert_batched_equals_alone(model: &dyn Model, requests: &[GenerateRequest], 
             assert_eq!(ours.offset(), solo.offset(), "{what}: row {i} layer {layer}");
             assert!(ours.row_offsets().is_none(), "an extracted row is a single sequence");
             let (a, b) = (ours.state().unwrap(), solo.state().unwrap());
+            assert_eq!(a.metadata, b.metadata, "{what}: row {i} layer {layer}");
+            assert_eq!(a.tensors.len(), b.tensors.len(), "{what}: row {i} layer {layer}");
             for (name, tensor) in &a.tensors {
                 let d = test_support::max_diff(tensor, &b.tensors[name]);
                 assert_eq!(d, 0.0, "{what}: row {i} layer {layer} {name}");
@@ -131,6 +134,36 @@ fn batched_greedy_and_seeded_sampling_equal_each_request_alone() {
             assert_batched_equals_alone(model.as_ref(), &requests(&prompt, sampled), &what);
         }
     }
+}
+
+/// Qwen3.5's rows: gated DeltaNet state in one batch buffer beside its attention rows, and on
+/// the checkpoint with a vision tower each row's rope shift; each row generates what it does
+/// alone and leaves holding bit for bit what the solo run holds, and a row with an image
+/// generates mlx-vlm's greedy reply among rows without.
+#[test]
+fn qwen3_5_rows_batch_recurrent_state_and_equal_each_request_alone() {
+    for name in ["qwen3_5/dense", "qwen3_5/moe", "qwen3_5/vision"] {
+        let model = load(name);
+        let vocab = model.vocab_size() as u32;
+        let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % vocab.min(200)).collect();
+        for sampled in [false, true] {
+            let what = format!("{name}, {}", if sampled { "sampled" } else { "greedy" });
+            assert_batched_equals_alone(model.as_ref(), &requests(&prompt, sampled), &what);
+        }
+    }
+    // A row with an image decodes with its positions shifted after it (mlx-vlm's rope delta),
+    // among text rows that have none: mlx-vlm's greedy reply.
+    let model = load("qwen3_5/vision");
+    let golden = super::qwen3_5::vision_golden();
+    let tokens = super::qwen3_5::ints(&golden["prompt"]);
+    let images = super::qwen3_5::prompt_features(model.as_ref());
+    let text: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 200).collect();
+    let mut requests = requests(&text, false);
+    requests[1] = GenerateRequest { images, ..GenerateRequest::new(tokens, 48) };
+    assert_batched_equals_alone(model.as_ref(), &requests, "qwen3_5/vision with an image");
+    let rows = batched(model.as_ref(), &requests, &[0, 2, 3, 5]);
+    let want = super::qwen3_5::ints(&golden["greedy"]);
+    assert_eq!(rows[&1].1.generation.tokens, want, "mlx-vlm's greedy");
 }
 
 /// A row whose prompt holds an image prefills alone with its image and then decodes among

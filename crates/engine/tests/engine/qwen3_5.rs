@@ -341,7 +341,7 @@ fn unsupported_config_keys_are_refused_naming_the_key() {
 // ---------------------------------------------------------------------------------------------
 // Vision: mlx-vlm 0.7.10's qwen3_5 on `dense`'s text weights with a tiny tower (`vision`)
 
-fn vision_golden() -> std::collections::HashMap<String, mlx::Array> {
+pub(super) fn vision_golden() -> std::collections::HashMap<String, mlx::Array> {
     mlx::io::load_safetensors(golden_dir("vision").join("golden.safetensors")).unwrap().tensors
 }
 
@@ -349,7 +349,7 @@ fn image_path(name: &str) -> PathBuf {
     golden_dir("../vision/images").join(name)
 }
 
-fn ints(a: &mlx::Array) -> Vec<u32> {
+pub(super) fn ints(a: &mlx::Array) -> Vec<u32> {
     a.to_vec::<i32>().unwrap().into_iter().map(|v| v as u32).collect()
 }
 
@@ -397,7 +397,7 @@ fn vision_features_match_mlx_vlm() {
     assert!(d <= 1e-4, "features differ by {d}");
 }
 
-fn prompt_features(model: &dyn Model) -> Vec<mlx::Array> {
+pub(super) fn prompt_features(model: &dyn Model) -> Vec<mlx::Array> {
     let vision = model.vision().expect("a tower");
     let rgb = engine::vision::image::load_rgb(&image_path("rgb_640x480.png")).unwrap();
     // A budget of 64 soft tokens is 64 · 16² = 16,384 pixels, the golden's max_pixels.

@@ -25,7 +25,12 @@ pub(super) enum Append {
 #[derive(Debug, Clone, Copy)]
 pub(super) enum RopeAt<'a> {
     Start(i32),
-    Table { cos: &'a Array, sin: &'a Array },
+    Table {
+        cos: &'a Array,
+        sin: &'a Array,
+    },
+    /// Each row of a batch from its own position: int32 `[B]`.
+    Rows(&'a Array),
 }
 
 /// Gated full attention: `q_proj` gives queries and an output gate per head, q/k norms,
@@ -109,6 +114,14 @@ impl Attention {
                     RopeOffset::Fixed(start),
                 ),
                 RopeAt::Table { cos, sin } => rotate_table(x, self.rotary_dims, cos, sin),
+                RopeAt::Rows(starts) => ops.rope(
+                    x,
+                    self.rotary_dims,
+                    false,
+                    RopeFrequencies::Base(self.rope_theta),
+                    1.0,
+                    RopeOffset::Array(starts),
+                ),
             }
         };
         let (queries, keys) = (rope(&queries)?, rope(&keys)?);

@@ -238,6 +238,21 @@ impl Qwen35Text {
         })
     }
 
+    /// Each row's next rope position when `caches` hold a batch of rows (its offset, shifted
+    /// by its images on a model with images); `None` for a single sequence.
+    fn row_positions(&self, caches: &mut [Box<dyn Cache>]) -> Result<Option<Vec<i32>>> {
+        let Some(offsets) = crate::cache::stack_row_offsets(caches) else {
+            return Ok(None);
+        };
+        if self.images.is_none() {
+            return Ok(Some(offsets.iter().map(|&o| o as i32).collect()));
+        }
+        let rows = caches.last_mut().and_then(|c| c.as_position_rows_mut()).ok_or_else(|| {
+            Error::InvalidRequest("a batch of Qwen3.5 rows with images needs position rows".into())
+        })?;
+        Ok(Some(rows.next_positions().iter().map(|&p| p as i32).collect()))
+    }
+
     /// `h` `[B, T, H]` through every layer (appending with `append`, rotated at `rope_at`), then
     /// the head over `rows`.
     fn run(
@@ -374,11 +389,24 @@ impl Model for Qwen35Text {
             Phase::Decode => Append::Decode,
         };
         let length = tokens.dim(1)? as usize;
+        let h = self.embed_tokens.forward(tokens)?;
+        // A batch: each row from its own position (a lone row's as a single sequence's).
+        if let Some(starts) = self.row_positions(caches)? {
+            let array = Array::from_slice(&starts, &[starts.len() as i32])?;
+            let rope_at = match starts.as_slice() {
+                [start] => RopeAt::Start(*start),
+                _ => RopeAt::Rows(&array),
+            };
+            let logits = self.run(h, caches, append, rope_at, rows)?;
+            if let Some(p) = caches.last_mut().and_then(|c| c.as_position_rows_mut()) {
+                p.advance(length);
+            }
+            return Ok(logits);
+        }
         let start = match self.positions(caches)? {
             Some(p) => p.next_position(),
             None => crate::cache::stack_offset(caches) as i64,
         };
-        let h = self.embed_tokens.forward(tokens)?;
         let logits = self.run(h, caches, append, RopeAt::Start(start as i32), rows)?;
         if let Some(p) = self.positions(caches)? {
             p.advance(length);
