@@ -12,7 +12,7 @@ use engine::sampling::SamplingParams;
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
 use engine::speculative::{self, DraftLength, DraftMethod, Speculation};
-use engine::turn::{ChatModel, Drafters, Prompt, ResumeCandidate, Turn};
+use engine::turn::{ChatModel, Drafters, Joined, Prompt, ResumeCandidate, Turn, TurnBatch};
 
 use super::gemma4::{check_checkpoint, full_logits, golden_at, max_diff};
 
@@ -206,6 +206,61 @@ fn turns_resume_from_checkpoints_after_a_restart_as_cold_runs() {
         assert_eq!(warm.resumed_from, Some(3), "{speculation:?}");
         assert_eq!(warm.stats.reused_tokens, checkpoint.tokens.len(), "{speculation:?}");
         assert_eq!(warm.tokens, cold.tokens, "{speculation:?}: resumed = cold");
+    }
+}
+
+/// Turns answered together in one [`TurnBatch`], each writing a checkpoint (its recurrent state
+/// kept at the prompt's boundary while it decodes among the others), give what each gives
+/// alone: the same tokens and checkpoint files with the same bytes.
+#[test]
+fn turns_answered_together_equal_each_alone_with_their_checkpoints() {
+    let chat = ChatModel::load(&golden_dir("dense"), &engine::LoadOptions::default()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let turn = |i: u32, len: u32, max_tokens: usize, name: &str| Turn {
+        max_tokens,
+        checkpoint_to: Some(tmp.path().join(name)),
+        ..Turn::new(Prompt::Tokens {
+            ids: (0..len).map(|j| (j * 37 + i * 11) % 400 + 3).collect(),
+            images: Vec::new(),
+        })
+    };
+    let shapes = [(24, 10), (9, 16), (17, 6)];
+    let mut drafters = Drafters::new(engine::LoadOptions::default());
+    let alone: Vec<_> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, max))| {
+            let t = turn(i as u32, len, max, &format!("alone{i}.safetensors"));
+            chat.answer(&t, &mut drafters, |_| Flow::Continue).unwrap()
+        })
+        .collect();
+    let mut batch = TurnBatch::new(&chat);
+    let mut together = std::collections::BTreeMap::new();
+    for (i, &(len, max)) in shapes.iter().enumerate() {
+        let t = turn(i as u32, len, max, &format!("together{i}.safetensors"));
+        match batch.join(i as u64, &t, |_| Flow::Continue).unwrap() {
+            Joined::Decoding => {}
+            Joined::Ended(outcome) => {
+                together.insert(i as u64, *outcome);
+            }
+            Joined::Waits { .. } => panic!("no memory limit was set"),
+        }
+        batch.step().unwrap().into_iter().for_each(|(id, outcome)| {
+            together.insert(id, outcome.unwrap());
+        });
+    }
+    while !batch.is_empty() {
+        for (id, outcome) in batch.step().unwrap() {
+            together.insert(id, outcome.unwrap());
+        }
+    }
+    for (i, want) in alone.iter().enumerate() {
+        let got = &together[&(i as u64)];
+        assert_eq!(got.tokens, want.tokens, "turn {i}");
+        let (a, b) = (got.checkpoint.as_ref().unwrap(), want.checkpoint.as_ref().unwrap());
+        assert_eq!(a.tokens, b.tokens, "turn {i}: the checkpoint's boundary");
+        assert!(a.file.signature.contains("gated_delta("), "{}", a.file.signature);
+        assert_eq!(a.file.sha256, b.file.sha256, "turn {i}: the checkpoint's bytes");
     }
 }
 
