@@ -212,21 +212,26 @@ fn compiled_and_uncompiled_decode_give_the_same_tokens() {
 /// every stream at every count, and both report their figures.
 #[test]
 fn bench_batch_tokens_equal_mlx_lm_batch_generators() {
-    let out = quince()
-        .args(["bench-batch", "--model"])
-        .arg(dense())
-        .args(["--prompt-tokens", "24", "--gen-tokens", "6", "--streams", "1,3"])
-        .args(["--repeats", "1", "--compare", "--json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    assert_eq!(json["tokens_match"], true, "{stdout}");
-    for side in ["quince", "mlx_lm"] {
-        let rows = json[side].as_array().unwrap();
-        assert_eq!(rows.iter().map(|r| r["streams"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 3]);
-        assert!(rows.iter().all(|r| r["decode_tok_s"].as_f64().unwrap() > 0.0), "{side}: {stdout}");
+    // Gemma 4, and Qwen3.5 (gated DeltaNet rows in one recurrence beside attention rows).
+    for model in [dense(), root().join("tests/golden/qwen3_5/dense")] {
+        let out = quince()
+            .args(["bench-batch", "--model"])
+            .arg(&model)
+            .args(["--prompt-tokens", "24", "--gen-tokens", "6", "--streams", "1,3"])
+            .args(["--repeats", "1", "--compare", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        assert_eq!(json["tokens_match"], true, "{}: {stdout}", model.display());
+        for side in ["quince", "mlx_lm"] {
+            let rows = json[side].as_array().unwrap();
+            let streams: Vec<u64> = rows.iter().map(|r| r["streams"].as_u64().unwrap()).collect();
+            assert_eq!(streams, [1, 3]);
+            let rates = rows.iter().map(|r| r["decode_tok_s"].as_f64().unwrap());
+            assert!(rates.clone().all(|r| r > 0.0), "{side}: {stdout}");
+        }
     }
 }
 
