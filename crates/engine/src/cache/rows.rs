@@ -379,33 +379,63 @@ fn stack_reads(reads: &[AttentionRead], length: usize) -> Result<AttentionRead> 
     }
     let lens = reads.iter().map(|r| r.len()).collect::<Result<Vec<_>>>()?;
     let longest = lens.iter().copied().max().unwrap_or(0);
-    let (mut rows, mut masks) = (Vec::new(), Vec::new());
-    for (read, &len) in reads.iter().zip(&lens) {
-        let pad = longest - len;
-        rows.push(left_pad(&read.parts, pad)?);
-        masks.push(row_mask(&read.mask()?, length, len, pad)?);
-    }
+    let masks = reads.iter().map(AttentionRead::mask).collect::<Result<Vec<_>>>()?;
+    // One zero for every padding: each padded part is one op.
+    let zero = Array::scalar(0.0f32)?;
+    let rows = reads
+        .iter()
+        .zip(&lens)
+        .map(|(read, &len)| left_pad(&read.parts, longest - len, &zero))
+        .collect::<Result<Vec<_>>>()?;
     // Part by part, the rows stacked on the batch axis.
     let parts = (0..rows.first().map_or(0, Vec::len))
         .map(|p| Ok(ops::concatenate(&rows.iter().map(|r| &r[p]).collect::<Vec<_>>(), 0)?))
         .collect::<Result<Vec<_>>>()?;
-    let mask = ops::stack(&masks.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[1])?;
+    let mask = if masks.iter().all(|m| !matches!(m, ReadMask::Array(_))) {
+        // Every row's mask is a rule (a decode step's, a window's causal one): the whole
+        // batch's mask is made on the host, one array.
+        let mut visible = Vec::with_capacity(reads.len() * length * longest);
+        for (mask, &len) in masks.iter().zip(&lens) {
+            visible.extend(rule_mask(mask, length, len, longest - len));
+        }
+        Array::from_slice(&visible, &[reads.len() as i32, 1, length as i32, longest as i32])?
+    } else {
+        let rows = masks
+            .iter()
+            .zip(&lens)
+            .map(|(mask, &len)| row_mask(mask, length, len, longest - len))
+            .collect::<Result<Vec<_>>>()?;
+        ops::stack(&rows.iter().collect::<Vec<_>>(), 0)?.expand_dims(&[1])?
+    };
     // The rows' reads share their storage's codec and ops (one signature per batch).
     let first = reads.first().ok_or_else(|| Error::InvalidRequest("a batch of no rows".into()))?;
     Ok(AttentionRead::masked(parts, &first.codec, ReadMask::Array(mask), first.ops()))
 }
 
-/// `[1, H, N, ·]` parts with `pad` zero positions put first.
-fn left_pad(parts: &[Array], pad: usize) -> Result<Vec<Array>> {
+/// `[1, H, N, ·]` parts with `pad` positions of `zero` put first.
+fn left_pad(parts: &[Array], pad: usize, zero: &Array) -> Result<Vec<Array>> {
     if pad == 0 {
         return Ok(parts.to_vec());
     }
-    super::kv::concat_positions(&super::kv::zero_positions(parts, pad)?, parts)
+    parts.iter().map(|p| Ok(p.pad(&[2], &[pad as i32], &[0], zero)?)).collect()
+}
+
+/// A rule mask (none, or bottom-right causal) over a row's `len` positions behind `pad`
+/// hidden ones, as `L × (pad + len)` bools, row-major: query `i` sees its `j ≤ len − L + i`.
+fn rule_mask(mask: &ReadMask, queries: usize, len: usize, pad: usize) -> Vec<bool> {
+    let causal = matches!(mask, ReadMask::Causal);
+    let total = pad + len;
+    let mut visible = Vec::with_capacity(queries * total);
+    for i in 0..queries {
+        for j in 0..total {
+            visible.push(j >= pad && (!causal || j - pad + queries <= len + i));
+        }
+    }
+    visible
 }
 
 /// A row's mask `[L, pad + len]` as bools: the padding hidden, the row's own mask after it.
 fn row_mask(mask: &ReadMask, queries: usize, len: usize, pad: usize) -> Result<Array> {
-    let total = pad + len;
     let own = match mask {
         ReadMask::Array(m) => {
             if m.dtype() != Dtype::Bool || m.shape() != [queries as i32, len as i32] {
@@ -421,15 +451,8 @@ fn row_mask(mask: &ReadMask, queries: usize, len: usize, pad: usize) -> Result<A
             let hidden = ops::zeros(&[queries as i32, pad as i32], Dtype::Bool)?;
             return Ok(ops::concatenate(&[&hidden, m], 1)?);
         }
-        ReadMask::None => None,
-        ReadMask::Causal => Some(len),
+        rule => rule,
     };
-    // Bottom-right causal over the row's own positions: query i sees its j ≤ len − L + i.
-    let mut visible = Vec::with_capacity(queries * total);
-    for i in 0..queries {
-        for j in 0..total {
-            visible.push(j >= pad && own.is_none_or(|len| j - pad + queries <= len + i));
-        }
-    }
-    Ok(Array::from_slice(&visible, &[queries as i32, total as i32])?)
+    let visible = rule_mask(own, queries, len, pad);
+    Ok(Array::from_slice(&visible, &[queries as i32, (pad + len) as i32])?)
 }
