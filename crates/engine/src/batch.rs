@@ -5,8 +5,10 @@
 //! long prompt never stalls the rows already decoding for more than its own prefill. From then
 //! on every [`Batch::step`] appends each row's next token in one batched decode pass: each
 //! layer's state is a batch of rows of its storage ([`crate::cache::BatchRows`], made by
-//! [`crate::cache::Cache::empty_rows`]): keys and values in [`crate::cache::CacheRows`], whose
-//! read hides each row's left padding; gated DeltaNet state in
+//! [`crate::cache::Cache::empty_rows`]): full-precision keys and values in
+//! [`crate::cache::SlotRows`], one buffer per part shared by every row, each row in the slots
+//! its own storage would use (encoded keys and values in [`crate::cache::CacheRows`], each row
+//! in its own storage); gated DeltaNet state in
 //! [`crate::cache::RecurrentRows`], one recurrence for every row; a multimodal-RoPE model's
 //! position shifts in [`crate::cache::PositionRows`]. The model rotates each row at its own
 //! position ([`crate::cache::Cache::row_offsets`]). A lone row runs the model's compiled step instead, as a reply

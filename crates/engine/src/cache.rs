@@ -45,7 +45,8 @@
 //! [`RecurrentCache`] (a gated DeltaNet layer's convolution tail and recurrent state, which
 //! rounds roll back by replaying the kept positions), and beside them [`PositionCache`] (where
 //! a multimodal-RoPE model's positions stand after its images). Rows of a
-//! batch: [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]), and
+//! batch: [`SlotRows`], full-precision plain or ring rows sharing one buffer per part;
+//! [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]); and
 //! [`RecurrentRows`], gated DeltaNet rows in one batch buffer.
 
 mod delta_rows;
@@ -57,6 +58,7 @@ mod positions;
 mod read;
 mod rotating;
 mod rows;
+mod slot_rows;
 mod trace;
 mod turbo;
 
@@ -75,6 +77,7 @@ pub use read::AttentionRead;
 pub(crate) use read::{ReadMask, overlay_mask};
 pub use rotating::RotatingCache;
 pub use rows::{CacheRows, Keep};
+pub use slot_rows::{SlotRow, SlotRows};
 pub(crate) use trace::TraceCache;
 
 use crate::error::{Error, Result};
@@ -157,6 +160,12 @@ pub trait Cache: std::fmt::Debug {
     fn take_recurrent(&mut self) -> Option<RecurrentCache> {
         None
     }
+    /// This cache's filled slots and where it stands, taken out (leaving it empty), when it
+    /// is full-precision plain or ring storage outside a round: how such a row joins
+    /// [`SlotRows`]. `None` leaves it as it is.
+    fn take_slots(&mut self) -> Option<SlotRow> {
+        None
+    }
     /// This cache's contents, taken out as a position shift (leaving it empty), when it is
     /// one: how such a row joins [`PositionRows`].
     fn take_positions(&mut self) -> Option<PositionCache> {
@@ -170,6 +179,15 @@ pub trait Cache: std::fmt::Debug {
     fn as_position_rows_mut(&mut self) -> Option<&mut PositionRows> {
         None
     }
+}
+
+/// What a batch of rows answers when asked to be `what` (saved, restored, trimmed) whole: a
+/// row is, one at a time, out of the batch.
+pub(crate) fn row_by_row(what: &str) -> Error {
+    Error::InvalidRequest(format!(
+        "a batch is {what} row by row: a row leaves it for that (extract_row), or joins it \
+         restored (merge_row)"
+    ))
 }
 
 /// A layer's state for several sequences at once, each at its own offset: the layout a batched

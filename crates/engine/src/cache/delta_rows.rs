@@ -301,11 +301,11 @@ impl Cache for RecurrentRows {
     }
 
     fn state(&self) -> Result<CacheState> {
-        Err(Error::InvalidRequest("a batch is saved row by row: extract the row first".into()))
+        Err(super::row_by_row("saved"))
     }
 
     fn restore(&mut self, _state: &CacheState) -> Result<()> {
-        Err(Error::InvalidRequest("a batch is restored row by row: merge a restored row".into()))
+        Err(super::row_by_row("restored"))
     }
 
     fn is_trimmable(&self) -> bool {
@@ -313,7 +313,7 @@ impl Cache for RecurrentRows {
     }
 
     fn trim(&mut self, _n: usize) -> Result<usize> {
-        Err(Error::InvalidRequest("a batch is trimmed row by row: extract the row first".into()))
+        Err(super::row_by_row("trimmed"))
     }
 
     fn spec_round_begin(&mut self) -> Result<()> {

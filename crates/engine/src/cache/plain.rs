@@ -63,6 +63,17 @@ impl PlainCache {
         }
     }
 
+    /// The storage a row of shared buffers leaves as.
+    pub(crate) fn from_slots(row: super::SlotRow) -> PlainCache {
+        PlainCache {
+            parts: row.parts,
+            offset: row.offset,
+            round: None,
+            precision: row.precision,
+            ops: row.ops,
+        }
+    }
+
     /// Encodes `keys`/`values`, writes them at the offset (growing the buffers when needed)
     /// and returns the valid prefix.
     fn write(&mut self, keys: &Array, values: &Array, length: usize) -> Result<Vec<Array>> {
@@ -232,6 +243,34 @@ impl Cache for PlainCache {
 
     fn as_attention_mut(&mut self) -> Option<&mut dyn AttentionCache> {
         Some(self)
+    }
+
+    /// Full precision batches in shared buffers ([`super::SlotRows`]); an encoded storage's
+    /// rows each keep their own ([`super::CacheRows`]).
+    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
+        Some(match self.precision.encoding().format.is_full() {
+            true => Box::new(super::SlotRows::new()),
+            false => Box::new(super::CacheRows::new()),
+        })
+    }
+
+    fn take_slots(&mut self) -> Option<super::SlotRow> {
+        if self.round.is_some() || !self.precision.encoding().format.is_full() {
+            return None;
+        }
+        // The filled slots only: the growth room past them is not the row's.
+        let parts = self.valid().ok()?;
+        let empty = PlainCache::encoded(self.precision.encoding(), &self.ops);
+        let this = std::mem::replace(self, empty);
+        Some(super::SlotRow {
+            parts,
+            offset: this.offset,
+            stored: this.offset,
+            cursor: this.offset,
+            window: None,
+            precision: this.precision,
+            ops: this.ops,
+        })
     }
 }
 

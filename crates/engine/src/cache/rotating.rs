@@ -73,6 +73,22 @@ impl RotatingCache {
         })
     }
 
+    /// The ring a row of shared buffers leaves as: its slots as they were in the batch.
+    pub(crate) fn from_slots(row: super::SlotRow) -> Result<RotatingCache> {
+        let window =
+            row.window.ok_or_else(|| Error::InvalidRequest("a plain row is not a ring".into()))?;
+        Ok(RotatingCache {
+            window,
+            parts: row.parts,
+            len: row.stored,
+            cursor: row.cursor,
+            offset: row.offset,
+            round: None,
+            precision: row.precision,
+            ops: row.ops,
+        })
+    }
+
     /// This ring with its reads run by `ops`.
     pub fn with_ops(mut self, ops: &Ops) -> RotatingCache {
         self.ops = ops.clone();
@@ -351,6 +367,37 @@ impl Cache for RotatingCache {
 
     fn as_attention_mut(&mut self) -> Option<&mut dyn AttentionCache> {
         Some(self)
+    }
+
+    /// Full precision batches in shared buffers ([`super::SlotRows`]); an encoded ring's rows
+    /// each keep their own ([`super::CacheRows`]).
+    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
+        Some(match self.precision.encoding().format.is_full() {
+            true => Box::new(super::SlotRows::new()),
+            false => Box::new(super::CacheRows::new()),
+        })
+    }
+
+    fn take_slots(&mut self) -> Option<super::SlotRow> {
+        if self.round.is_some() || !self.precision.encoding().format.is_full() {
+            return None;
+        }
+        let parts = match &self.parts {
+            Some(parts) => Some(kv::positions(parts, 0, self.len).ok()?),
+            None => None,
+        };
+        let empty =
+            RotatingCache::encoded(self.window, self.precision.encoding(), &self.ops).ok()?;
+        let this = std::mem::replace(self, empty);
+        Some(super::SlotRow {
+            parts,
+            offset: this.offset,
+            stored: this.len,
+            cursor: this.cursor,
+            window: Some(this.window),
+            precision: this.precision,
+            ops: this.ops,
+        })
     }
 }
 

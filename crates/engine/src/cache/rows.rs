@@ -13,10 +13,10 @@
 //! own position, and a batch of one row takes part in a compiled decode step through its row.
 //!
 //! The cost of keeping rows apart: a batch of more than one row copies every row's visible keys
-//! and values into the stacked read at each append. A layout sharing one left-padded buffer
-//! (mlx-lm's `BatchKVCache`) writes once per step instead, but must shift a row's whole history
-//! when a round keeps fewer of its positions than another row's. A batch of one row reads
-//! straight from its storage.
+//! and values into the stacked read at each append, several ops per row and layer. Full
+//! precision rows decode in shared buffers instead ([`super::SlotRows`], a few ops per layer
+//! whatever the row count); this layout is what encoded storage batches in, and what resolves a
+//! speculative round per row. A batch of one row reads straight from its storage.
 
 use mlx::{Array, Dtype, ops};
 
@@ -273,11 +273,11 @@ impl Cache for CacheRows {
     }
 
     fn state(&self) -> Result<CacheState> {
-        Err(Error::InvalidRequest("a batch is saved row by row: extract the row first".into()))
+        Err(super::row_by_row("saved"))
     }
 
     fn restore(&mut self, _state: &CacheState) -> Result<()> {
-        Err(Error::InvalidRequest("a batch is restored row by row: merge a restored row".into()))
+        Err(super::row_by_row("restored"))
     }
 
     fn is_trimmable(&self) -> bool {
@@ -285,7 +285,7 @@ impl Cache for CacheRows {
     }
 
     fn trim(&mut self, _n: usize) -> Result<usize> {
-        Err(Error::InvalidRequest("a batch is trimmed row by row: extract the row first".into()))
+        Err(super::row_by_row("trimmed"))
     }
 
     fn spec_round_begin(&mut self) -> Result<()> {

@@ -13,6 +13,7 @@ mod kernels;
 mod kv;
 mod kv_file;
 mod qwen3_5;
+mod slot_rows;
 mod speculative;
 mod tokenizer;
 mod vision;
