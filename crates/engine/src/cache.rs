@@ -190,6 +190,39 @@ pub(crate) fn row_by_row(what: &str) -> Error {
     ))
 }
 
+/// The [`Cache`] methods every batch of rows ([`BatchRows`]) answers alike, inside its `impl
+/// Cache`: it is saved, restored and trimmed row by row ([`row_by_row`]), is a batch of rows,
+/// and does not nest.
+macro_rules! rows_cache_methods {
+    () => {
+        fn state(&self) -> Result<CacheState> {
+            Err(super::row_by_row("saved"))
+        }
+
+        fn restore(&mut self, _state: &CacheState) -> Result<()> {
+            Err(super::row_by_row("restored"))
+        }
+
+        fn is_trimmable(&self) -> bool {
+            false
+        }
+
+        fn trim(&mut self, _n: usize) -> Result<usize> {
+            Err(super::row_by_row("trimmed"))
+        }
+
+        fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
+            Some(self)
+        }
+
+        /// A batch does not nest.
+        fn empty_rows(&self) -> Option<Box<dyn Cache>> {
+            None
+        }
+    };
+}
+pub(crate) use rows_cache_methods;
+
 /// A layer's state for several sequences at once, each at its own offset: the layout a batched
 /// forward pass appends to ([`crate::batch`]). Rows join from single-sequence caches of the
 /// batch's storage and leave as single-sequence caches holding, bit for bit, what the same

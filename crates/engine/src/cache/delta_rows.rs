@@ -300,22 +300,6 @@ impl Cache for RecurrentRows {
         Some(self.offsets.clone())
     }
 
-    fn state(&self) -> Result<CacheState> {
-        Err(super::row_by_row("saved"))
-    }
-
-    fn restore(&mut self, _state: &CacheState) -> Result<()> {
-        Err(super::row_by_row("restored"))
-    }
-
-    fn is_trimmable(&self) -> bool {
-        false
-    }
-
-    fn trim(&mut self, _n: usize) -> Result<usize> {
-        Err(super::row_by_row("trimmed"))
-    }
-
     fn spec_round_begin(&mut self) -> Result<()> {
         RecurrentRows::spec_round_begin(self)
     }
@@ -333,9 +317,7 @@ impl Cache for RecurrentRows {
         Some(self)
     }
 
-    fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
-        Some(self)
-    }
+    super::rows_cache_methods!();
 }
 
 impl GatedDeltaCache for RecurrentRows {

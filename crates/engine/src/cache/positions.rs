@@ -245,22 +245,6 @@ impl Cache for PositionRows {
         Some(self.rows.iter().map(Cache::offset).collect())
     }
 
-    fn state(&self) -> Result<CacheState> {
-        Err(super::row_by_row("saved"))
-    }
-
-    fn restore(&mut self, _state: &CacheState) -> Result<()> {
-        Err(super::row_by_row("restored"))
-    }
-
-    fn is_trimmable(&self) -> bool {
-        false
-    }
-
-    fn trim(&mut self, _n: usize) -> Result<usize> {
-        Err(super::row_by_row("trimmed"))
-    }
-
     fn spec_round_begin(&mut self) -> Result<()> {
         Err(round_error("a batch of rope positions takes no rounds yet"))
     }
@@ -273,13 +257,11 @@ impl Cache for PositionRows {
         Err(round_error("rollback without a round"))
     }
 
-    fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
-        Some(self)
-    }
-
     fn as_position_rows_mut(&mut self) -> Option<&mut PositionRows> {
         Some(self)
     }
+
+    super::rows_cache_methods!();
 }
 
 #[cfg(test)]

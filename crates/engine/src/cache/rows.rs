@@ -272,22 +272,6 @@ impl Cache for CacheRows {
         self.rows.iter().flat_map(|r| r.buffers()).collect()
     }
 
-    fn state(&self) -> Result<CacheState> {
-        Err(super::row_by_row("saved"))
-    }
-
-    fn restore(&mut self, _state: &CacheState) -> Result<()> {
-        Err(super::row_by_row("restored"))
-    }
-
-    fn is_trimmable(&self) -> bool {
-        false
-    }
-
-    fn trim(&mut self, _n: usize) -> Result<usize> {
-        Err(super::row_by_row("trimmed"))
-    }
-
     fn spec_round_begin(&mut self) -> Result<()> {
         CacheRows::spec_round_begin(self)
     }
@@ -309,14 +293,7 @@ impl Cache for CacheRows {
         Some(self)
     }
 
-    fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
-        Some(self)
-    }
-
-    /// A batch does not nest.
-    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
-        None
-    }
+    super::rows_cache_methods!();
 }
 
 impl BatchRows for CacheRows {

@@ -389,22 +389,6 @@ impl Cache for SlotRows {
         }
     }
 
-    fn state(&self) -> Result<CacheState> {
-        Err(super::row_by_row("saved"))
-    }
-
-    fn restore(&mut self, _state: &CacheState) -> Result<()> {
-        Err(super::row_by_row("restored"))
-    }
-
-    fn is_trimmable(&self) -> bool {
-        false
-    }
-
-    fn trim(&mut self, _n: usize) -> Result<usize> {
-        Err(super::row_by_row("trimmed"))
-    }
-
     fn spec_round_begin(&mut self) -> Result<()> {
         Err(round_error(
             "rows sharing buffers run no speculative rounds: rows that verify drafts batch each \
@@ -428,14 +412,7 @@ impl Cache for SlotRows {
         Some(self)
     }
 
-    fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
-        Some(self)
-    }
-
-    /// A batch does not nest.
-    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
-        None
-    }
+    super::rows_cache_methods!();
 }
 
 impl BatchRows for SlotRows {
