@@ -1,10 +1,11 @@
 //! The engine actor: one thread owns the model and every MLX array (MLX streams belong to the
 //! thread that made them); the rest of the app sends it commands and receives events. A reply
-//! is one [`engine::turn::Turn`]. Replies with plain decoding decode together in one
-//! [`TurnBatch`] (each joins after its own prefill and leaves when it ends), so a second
-//! conversation streams while the first does; a reply with a draft method, or with another KV
+//! is one [`engine::turn::Turn`]. Replies with plain decoding or prompt lookup decode together
+//! in one [`TurnBatch`] (each joins after its own prefill and leaves when it ends), so a second
+//! conversation streams while the first does; a reply with a draft or assistant model, one
+//! that drafts when the batch's rows do not (or the other way round), or one with another KV
 //! storage than the batch's, is answered after the batch ([`ChatModel::answer`] for a draft
-//! method).
+//! model).
 //!
 //! A reply never waits unseen and is never dropped for another: one that must wait (its KV
 //! cache fits the memory limit only once replies decoding have ended, or it decodes alone

@@ -27,11 +27,13 @@ use std::time::Instant;
 
 use mlx::Array;
 
-use crate::cache::{BatchRows, Cache};
+use crate::cache::{BatchRows, Cache, Rounds, stack_max_append};
 use crate::error::{Error, Result};
 use crate::generate::{GenerateRequest, Generation, GenerationStats, StopReason};
 use crate::models::{Model, Phase};
 use crate::sampling::Sampler;
+use crate::speculative::lookup::PromptLookup;
+use crate::speculative::{DraftLength, Pace, SpecStats};
 
 /// Identifies a request in a batch (the caller's choice, unique among the rows).
 pub type RowId = u64;
@@ -61,6 +63,18 @@ pub struct Finished {
     pub generation: Generation,
     /// The row's caches, one per layer: ordinary single-sequence caches.
     pub caches: Vec<Box<dyn Cache>>,
+    /// Its drafts' counts, when it drafted ([`Batch::join_drafting`]).
+    pub spec: Option<SpecStats>,
+}
+
+/// A row that drafts by prompt lookup and verifies its drafts with the other rows'.
+#[derive(Debug)]
+struct Drafting {
+    lookup: PromptLookup,
+    pace: Pace,
+    /// The whole conversation as the lookup sees it: earlier turns, the prompt, the reply.
+    context: Vec<u32>,
+    stats: SpecStats,
 }
 
 /// One request decoding in the batch.
@@ -82,6 +96,7 @@ struct Row {
     /// Whether a pass may append the token sampled ahead before it is read (no penalty reads
     /// it first), as [`crate::generate::generate`] pipelines its steps.
     pipelined: bool,
+    drafting: Option<Drafting>,
 }
 
 impl Row {
@@ -95,6 +110,9 @@ impl Row {
     fn emit(&mut self, token: u32) -> Option<StopReason> {
         self.tokens.push(token);
         self.history.push(token);
+        if let Some(drafting) = &mut self.drafting {
+            drafting.context.push(token);
+        }
         if self.stop_tokens.contains(&token) {
             Some(StopReason::StopToken)
         } else if self.tokens.len() >= self.max_tokens {
@@ -112,7 +130,35 @@ impl Row {
         }
         self.stats.peak_mem_bytes = mlx::device::memory::peak()?;
         let generation = Generation { tokens: self.tokens, stop_reason: reason, stats: self.stats };
-        Ok(Finished { id: self.id, generation, caches })
+        let spec = self.drafting.map(|d| d.stats);
+        Ok(Finished { id: self.id, generation, caches, spec })
+    }
+
+    /// Whether the row picks greedily (a verify window's picks are then one argmax).
+    fn greedy(&self) -> bool {
+        let s = self.sampler.params();
+        s.temperature == 0.0 && s.repetition_penalty == 1.0 && s.presence_penalty == 0.0
+    }
+
+    /// This step's drafts: none for a row that does not draft or decodes plainly for now,
+    /// else the lookup's, at most what the row's budget and `room` (positions the caches take
+    /// before a KV conversion) leave after the bonus token.
+    fn propose(&mut self, room: usize) -> Vec<u32> {
+        let remaining = self.max_tokens.saturating_sub(self.tokens.len());
+        let Some(drafting) = &mut self.drafting else {
+            return Vec::new();
+        };
+        if drafting.pace.backoff > 0 {
+            drafting.pace.backoff -= 1;
+            return Vec::new();
+        }
+        let most = remaining.saturating_sub(1).min(room).min(drafting.pace.k());
+        if most == 0 {
+            return Vec::new();
+        }
+        let mut drafts = drafting.lookup.find(&drafting.context, most);
+        drafts.truncate(most);
+        drafts
     }
 }
 
@@ -123,12 +169,28 @@ pub struct Batch<'m> {
     /// One batch of rows per cache layer (empty before the first row joins).
     layers: Vec<Box<dyn Cache>>,
     rows: Vec<Row>,
+    /// Whether rows verify drafts (steps append windows, each row keeps its own count).
+    rounds: Rounds,
 }
 
 impl<'m> Batch<'m> {
-    /// An empty batch over `model`.
+    /// An empty batch over `model` whose rows decode one token a step.
     pub fn new(model: &'m dyn Model) -> Batch<'m> {
-        Batch { model, layers: Vec::new(), rows: Vec::new() }
+        Batch { model, layers: Vec::new(), rows: Vec::new(), rounds: Rounds::No }
+    }
+
+    /// An empty batch over `model` whose rows may draft ([`Batch::join_drafting`]): a step
+    /// verifies every row's drafts in one window pass and each row keeps what it accepted.
+    /// Its rows keep their keys and values each in its own storage (which resolves a round per
+    /// row), and their steps are not pipelined. A model with state that takes no rounds per
+    /// row (a multimodal-RoPE model's position shifts) is refused at the first join.
+    pub fn verifying(model: &'m dyn Model) -> Batch<'m> {
+        Batch { model, layers: Vec::new(), rows: Vec::new(), rounds: Rounds::PerRow }
+    }
+
+    /// Whether rows of this batch may draft.
+    pub fn verifies(&self) -> bool {
+        self.rounds == Rounds::PerRow
     }
 
     /// Rows decoding now.
@@ -165,8 +227,50 @@ impl<'m> Batch<'m> {
     pub fn join(
         &mut self,
         id: RowId,
+        caches: Vec<Box<dyn Cache>>,
+        request: &GenerateRequest,
+    ) -> Result<Vec<BatchEvent>> {
+        self.admit(id, caches, request, None)
+    }
+
+    /// [`Batch::join`] for a row that drafts by prompt lookup, in a batch that verifies
+    /// ([`Batch::verifying`]): each step it proposes what follows the latest earlier
+    /// occurrence of its conversation's last tokens (`earlier`: the tokens `caches` held
+    /// before the prompt), as many as `length` allows, and keeps the drafts its own picks
+    /// confirm: the same tokens as decoding plainly, greedy or sampled at the same seed.
+    pub fn join_drafting(
+        &mut self,
+        id: RowId,
+        caches: Vec<Box<dyn Cache>>,
+        request: &GenerateRequest,
+        earlier: &[u32],
+        length: DraftLength,
+    ) -> Result<Vec<BatchEvent>> {
+        if self.rounds != Rounds::PerRow {
+            return Err(Error::InvalidRequest(
+                "a row that drafts joins a batch that verifies (Batch::verifying)".into(),
+            ));
+        }
+        if length.max == 0 {
+            return Err(Error::InvalidRequest(
+                "a speculative round drafts at least one token".into(),
+            ));
+        }
+        let drafting = Drafting {
+            lookup: PromptLookup::default(),
+            pace: Pace::new(length),
+            context: earlier.iter().chain(&request.prompt).copied().collect(),
+            stats: SpecStats { method: "lookup".into(), ..SpecStats::default() },
+        };
+        self.admit(id, caches, request, Some(drafting))
+    }
+
+    fn admit(
+        &mut self,
+        id: RowId,
         mut caches: Vec<Box<dyn Cache>>,
         request: &GenerateRequest,
+        drafting: Option<Drafting>,
     ) -> Result<Vec<BatchEvent>> {
         self.check_joins(id, &caches)?;
         let mut sampler = Sampler::new(request.sampling.clone())?;
@@ -191,8 +295,10 @@ impl<'m> Batch<'m> {
             },
             first_at: Instant::now(),
             ahead: None,
-            pipelined: request.sampling.repetition_penalty == 1.0
+            pipelined: self.rounds == Rounds::No
+                && request.sampling.repetition_penalty == 1.0
                 && request.sampling.presence_penalty == 0.0,
+            drafting,
         };
         let Some(token) = first else {
             return Ok(vec![BatchEvent::Finished(row.finish(StopReason::MaxTokens, caches)?)]);
@@ -205,7 +311,7 @@ impl<'m> Batch<'m> {
         if self.layers.is_empty() {
             self.layers = caches
                 .iter()
-                .map(|c| c.empty_rows().ok_or_else(|| unbatched(c.as_ref())))
+                .map(|c| c.empty_rows(self.rounds).ok_or_else(|| unbatched(c.as_ref())))
                 .collect::<Result<_>>()?;
         }
         for (layer, cache) in self.layers.iter_mut().zip(caches) {
@@ -222,6 +328,14 @@ impl<'m> Batch<'m> {
     /// or whose penalties read it first, has every row read before the pass instead. Rows that
     /// end leave the batch ([`BatchEvent::Finished`]).
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
+        if self.rounds == Rounds::PerRow {
+            return self.verify_step();
+        }
+        self.decode_step()
+    }
+
+    /// [`Batch::step`] for a batch whose rows decode one token each.
+    fn decode_step(&mut self) -> Result<Vec<BatchEvent>> {
         let mut events = Vec::with_capacity(2 * self.rows.len());
         if !self.rows.iter().all(|r| r.ahead.is_none() || r.may_append_ahead()) {
             self.read_ahead(&mut events)?;
@@ -269,6 +383,105 @@ impl<'m> Batch<'m> {
         }
         self.leave_all(&ended, &mut events)?;
         Ok(events)
+    }
+
+    /// [`Batch::step`] for a batch that verifies: every row proposes its drafts; when none
+    /// does, a plain decode step; else one window pass appends every row's last token and its
+    /// drafts (a row with fewer repeats its last token after them) in a round, each row picks
+    /// its tokens from its own positions with its own sampler, emits its accepted drafts and
+    /// its own next token, and keeps just those positions ([`BatchRows::rollback_rows`]).
+    fn verify_step(&mut self) -> Result<Vec<BatchEvent>> {
+        let mut events = Vec::with_capacity(2 * self.rows.len());
+        self.read_ahead(&mut events)?;
+        if self.rows.is_empty() {
+            return Ok(events);
+        }
+        let room = stack_max_append(&self.layers).map_or(usize::MAX, |r| r.saturating_sub(1));
+        let drafts: Vec<Vec<u32>> = self.rows.iter_mut().map(|r| r.propose(room)).collect();
+        let longest = drafts.iter().map(Vec::len).max().unwrap_or(0);
+        if longest == 0 {
+            events.extend(self.decode_step()?);
+            return Ok(events);
+        }
+        let width = longest + 1;
+        let mut window = Vec::with_capacity(self.rows.len() * width);
+        for (row, drafts) in self.rows.iter().zip(&drafts) {
+            // A row that joined has emitted its first token: its last is not appended yet.
+            let bonus = row.tokens.last().copied().unwrap_or(0);
+            window.push(bonus);
+            window.extend_from_slice(drafts);
+            window.extend(std::iter::repeat_n(bonus, longest - drafts.len()));
+        }
+        let batch = self.rows.len();
+        let ids = Array::from_slice(&window, &[batch as i32, width as i32])?;
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            if let Err(e) = layer.spec_round_begin() {
+                disarm(&mut self.layers[..i], batch);
+                return Err(e);
+            }
+        }
+        let picked = self.pick_all(&ids, &drafts);
+        let picks = match picked {
+            Ok(picks) => picks,
+            Err(e) => {
+                disarm(&mut self.layers, batch);
+                return Err(e);
+            }
+        };
+        let mut keep = Vec::with_capacity(batch);
+        let mut ended = Vec::new();
+        for (b, ((row, drafts), picks)) in self.rows.iter_mut().zip(&drafts).zip(picks).enumerate()
+        {
+            // picks[i] is the row's token after its window[..=i]; drafts hold while equal.
+            let accepted = drafts.iter().zip(&picks).take_while(|(d, p)| d == p).count();
+            if let Some(drafting) = &mut row.drafting
+                && !drafts.is_empty()
+            {
+                drafting.stats.rounds += 1;
+                drafting.stats.proposed += drafts.len();
+                drafting.stats.accepted += accepted;
+                drafting.pace.after_round(drafts.len(), accepted);
+            }
+            let mut emitted = 0;
+            for &token in &picks[..=accepted] {
+                emitted += 1;
+                events.push(BatchEvent::Token { id: row.id, token });
+                if let Some(reason) = row.emit(token) {
+                    ended.push((b, reason));
+                    break;
+                }
+            }
+            // The row keeps its last token and the drafts before its last emitted token
+            // (the next last token, not appended yet).
+            keep.push(emitted);
+        }
+        for layer in &mut self.layers {
+            rows_of(layer.as_mut())?.rollback_rows(&keep)?;
+        }
+        self.leave_all(&ended, &mut events)?;
+        Ok(events)
+    }
+
+    /// One window pass over `ids` `[B, L]` and each row's picks from its own positions (its
+    /// last token and its `drafts`).
+    fn pick_all(&mut self, ids: &Array, drafts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
+        let logits = self.model.forward(ids, &mut self.layers, Phase::Window)?; // [B, L, V]
+        let vocab = logits.dim(2)?;
+        let mut all = Vec::with_capacity(self.rows.len());
+        for (b, (row, drafts)) in self.rows.iter_mut().zip(drafts).enumerate() {
+            let (b, own) = (b as i32, drafts.len() as i32 + 1);
+            let logits = logits.slice(&[b, 0, 0], &[b + 1, own, vocab], &[1, 1, 1])?;
+            let logits = logits.reshape(&[own, vocab])?;
+            let greedy = row.greedy();
+            all.push(crate::speculative::picks(
+                &logits,
+                &mut row.sampler,
+                &row.history,
+                greedy,
+                drafts,
+            )?);
+        }
+        Ok(all)
     }
 
     /// Reads and reports every token sampled ahead; the rows that end with it leave, the
@@ -326,7 +539,7 @@ impl<'m> Batch<'m> {
         if self.rows.iter().any(|r| r.id == id) {
             return Err(Error::InvalidRequest(format!("row {id} is already in the batch")));
         }
-        if let Some(other) = caches.iter().find(|c| c.empty_rows().is_none()) {
+        if let Some(other) = caches.iter().find(|c| c.empty_rows(self.rounds).is_none()) {
             return Err(unbatched(other.as_ref()));
         }
         if self.layers.is_empty() || self.rows.is_empty() {
@@ -349,6 +562,15 @@ impl<'m> Batch<'m> {
             }
         }
         Ok(())
+    }
+}
+
+/// Ends an armed round on `layers` keeping nothing: what a failed window leaves.
+fn disarm(layers: &mut [Box<dyn Cache>], batch: usize) {
+    for layer in layers {
+        if let Some(rows) = layer.as_batch_rows_mut() {
+            let _ = rows.rollback_rows(&vec![0; batch]);
+        }
     }
 }
 

@@ -149,10 +149,12 @@ pub trait Cache: std::fmt::Debug {
         None
     }
     /// An empty batch of rows of this storage, for a batched forward pass ([`crate::batch`]):
-    /// this cache, and others of its signature, join it as rows. `None`: this state does not
-    /// batch.
-    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
-        // Keys and values batch as rows each in its own storage.
+    /// this cache, and others of its signature, join it as rows. With `rounds`, a batch whose
+    /// rows verify drafts: it resolves speculative rounds with one keep count per row
+    /// ([`BatchRows::rollback_rows`]). `None`: this state does not batch (so).
+    fn empty_rows(&self, rounds: Rounds) -> Option<Box<dyn Cache>> {
+        // Keys and values batch as rows each in its own storage, which resolves rounds too.
+        let _ = rounds;
         self.as_attention().map(|_| Box::new(CacheRows::new()) as Box<dyn Cache>)
     }
     /// This cache's contents, taken out as a gated DeltaNet layer's state (leaving it empty),
@@ -216,12 +218,22 @@ macro_rules! rows_cache_methods {
         }
 
         /// A batch does not nest.
-        fn empty_rows(&self) -> Option<Box<dyn Cache>> {
+        fn empty_rows(&self, _rounds: super::Rounds) -> Option<Box<dyn Cache>> {
             None
         }
     };
 }
 pub(crate) use rows_cache_methods;
+
+/// Whether a batch of rows resolves speculative rounds ([`Cache::empty_rows`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rounds {
+    /// Rows decode one position a step.
+    No,
+    /// Rows verify drafts: a step appends a window to every row and each row keeps its own
+    /// count of it.
+    PerRow,
+}
 
 /// A layer's state for several sequences at once, each at its own offset: the layout a batched
 /// forward pass appends to ([`crate::batch`]). Rows join from single-sequence caches of the
@@ -235,6 +247,13 @@ pub trait BatchRows: Cache {
     fn merge_row(&mut self, row: Box<dyn Cache>) -> Result<()>;
     /// Removes row `row` and returns it as a single-sequence cache. Outside a round.
     fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>>;
+    /// Ends the armed round keeping the first `keep[b]` positions row `b` appended in it: each
+    /// row is then as if only its kept positions had been appended, one decode step each. A
+    /// count above what a row appended is refused before any row changes.
+    fn rollback_rows(&mut self, keep: &[usize]) -> Result<()> {
+        let _ = keep;
+        Err(round_error("these rows resolve no rounds"))
+    }
 }
 
 /// A key/value cache that owns its attention reads. See the module docs for the invariants.

@@ -75,6 +75,50 @@ impl Default for DraftLength {
     }
 }
 
+/// How many tokens the next round drafts, as [`DraftLength`] adapts it: a round that accepts
+/// nothing halves the draft length; after one that accepted nothing at one draft, this many
+/// tokens are decoded plainly before the next try, doubling up to [`MAX_BACKOFF`] while
+/// drafts keep failing, so that a method that cannot guess the text costs almost nothing.
+#[derive(Debug, Clone)]
+pub(crate) struct Pace {
+    length: DraftLength,
+    k: usize,
+    /// Tokens to decode plainly before the next round.
+    pub(crate) backoff: usize,
+    failures: u32,
+}
+
+impl Pace {
+    pub(crate) fn new(length: DraftLength) -> Pace {
+        Pace { length, k: length.max, backoff: 0, failures: 0 }
+    }
+
+    /// The most tokens the next round drafts.
+    pub(crate) fn k(&self) -> usize {
+        self.k
+    }
+
+    /// After a round that drafted `drafted` tokens and accepted `accepted` of them.
+    pub(crate) fn after_round(&mut self, drafted: usize, accepted: usize) {
+        if !self.length.adaptive {
+            return;
+        }
+        self.k = if accepted == drafted {
+            (self.k + 2).min(self.length.max)
+        } else if accepted == 0 {
+            (self.k / 2).max(1)
+        } else {
+            self.k.saturating_sub(1).max(1)
+        };
+        if accepted > 0 {
+            self.failures = 0;
+        } else if drafted == 1 {
+            self.failures += 1;
+            self.backoff = (1usize << self.failures.min(8)).min(MAX_BACKOFF);
+        }
+    }
+}
+
 /// Counts of one speculative generation.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "ts", derive(ts_rs::TS))]
@@ -170,15 +214,11 @@ fn rounds(
     }
     let pipelined =
         request.sampling.repetition_penalty == 1.0 && request.sampling.presence_penalty == 0.0;
-    let mut k = length.max;
-    // Adaptive only: a round that accepts nothing halves the draft length; after one that
-    // accepted nothing at one draft, decode this many tokens plainly (pipelined) before trying
-    // again, doubling up to MAX_BACKOFF while drafts keep failing, so that a method that
-    // cannot guess this text costs almost nothing.
-    let mut backoff = 0usize;
-    let mut failures = 0u32;
+    let mut pace = Pace::new(length);
     let stop_reason = loop {
-        if backoff > 0 {
+        if pace.backoff > 0 {
+            // Decoded plainly, pipelined.
+            let backoff = std::mem::take(&mut pace.backoff);
             let token = Array::from_slice(&[bonus], &[1])?;
             let y = decode_step(model, caches, &mut sampler, &token, &out.history)?;
             let before = out.tokens.len();
@@ -190,7 +230,6 @@ fn rounds(
                 Decoded::Paused(token) => bonus = token,
             }
             method.settle(Target { model, caches }, 0)?;
-            backoff = 0;
             continue;
         }
         // A round never drafts past the token budget: the bonus and k drafts emit at most
@@ -201,8 +240,8 @@ fn rounds(
         let budget = out.remaining().saturating_sub(1).min(room);
         let mut drafts = Vec::new();
         if budget > 0 {
-            drafts = method.propose(Target { model, caches }, &context, k.min(budget))?;
-            drafts.truncate(k.min(budget));
+            drafts = method.propose(Target { model, caches }, &context, pace.k().min(budget))?;
+            drafts.truncate(pace.k().min(budget));
         }
         if drafts.is_empty() {
             // Nothing to verify: a plain decode step.
@@ -258,21 +297,7 @@ fn rounds(
         }
         bonus = picks[accepted];
         method.settle(Target { model, caches }, accepted)?;
-        if length.adaptive {
-            k = if accepted == drafts.len() {
-                (k + 2).min(length.max)
-            } else if accepted == 0 {
-                (k / 2).max(1)
-            } else {
-                k.saturating_sub(1).max(1)
-            };
-            if accepted > 0 {
-                failures = 0;
-            } else if drafts.len() == 1 {
-                failures += 1;
-                backoff = (1usize << failures.min(8)).min(MAX_BACKOFF);
-            }
-        }
+        pace.after_round(drafts.len(), accepted);
     };
     with_stats(out.finish(stop_reason), stats)
 }
@@ -299,14 +324,27 @@ fn verify(
     let ids = crate::tokens::ids(window)?;
     let logits = model.forward(&ids, caches, Phase::Window)?; // [1, k + 1, V]
     let v = logits.dim(-1)?;
-    let rows = window.len() as i32;
+    picks(&logits.reshape(&[window.len() as i32, v])?, sampler, history, greedy, drafts)
+}
+
+/// The target's pick after each position of a verify window from its logits `[L, V]`: greedy,
+/// one argmax over every position; sampled, drawn one by one in order and only while the
+/// drafts match (so the sampler's stream advances once per emitted token).
+pub(crate) fn picks(
+    logits: &Array,
+    sampler: &mut Sampler,
+    history: &[u32],
+    greedy: bool,
+    drafts: &[u32],
+) -> Result<Vec<u32>> {
     if greedy {
-        return Ok(logits.reshape(&[rows, v])?.argmax(-1, false)?.to_vec::<u32>()?);
+        return Ok(logits.argmax(-1, false)?.to_vec::<u32>()?);
     }
-    let mut picks = Vec::with_capacity(window.len());
+    let (rows, v) = (logits.dim(0)?, logits.dim(1)?);
+    let mut picks = Vec::with_capacity(rows as usize);
     let mut seen = history.to_vec();
     for i in 0..rows {
-        let row = logits.slice(&[0, i, 0], &[1, i + 1, v], &[1, 1, 1])?.reshape(&[1, v])?;
+        let row = logits.slice(&[i, 0], &[i + 1, v], &[1, 1])?;
         let pick = sampler.sample(&row, &seen)?.item::<u32>()?;
         picks.push(pick);
         seen.push(pick);

@@ -487,10 +487,17 @@ impl ChatModel {
         self.close(turn, opened, generation, spec, reply, method)
     }
 
-    /// Whether [`TurnBatch`] takes `turn`: plain decoding (a draft method verifies one
+    /// Whether [`TurnBatch`] takes `turn`: plain decoding, or drafts by prompt lookup where
+    /// the model's state resolves a round per row (a draft or assistant model verifies one
     /// sequence's drafts). Every storage batches ([`crate::cache::Cache::empty_rows`]).
     pub fn batches(&self, turn: &Turn) -> bool {
-        turn.speculation == Speculation::Off
+        match turn.speculation {
+            Speculation::Off => true,
+            Speculation::Lookup => self.model().fresh_caches().is_ok_and(|caches| {
+                caches.iter().all(|c| c.empty_rows(crate::cache::Rounds::PerRow).is_some())
+            }),
+            Speculation::Draft { .. } | Speculation::Assistant { .. } => false,
+        }
     }
 
     /// What [`ChatModel::answer`] does before the first token, once the turn is `admitted`:

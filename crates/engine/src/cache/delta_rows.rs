@@ -269,6 +269,10 @@ impl BatchRows for RecurrentRows {
     fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>> {
         Ok(Box::new(RecurrentRows::extract_row(self, row)?))
     }
+
+    fn rollback_rows(&mut self, keep: &[usize]) -> Result<()> {
+        self.spec_round_rollback(Keep::Each(keep))
+    }
 }
 
 /// A batch is one layer's state in a batched forward pass: one recurrence serves every row,

@@ -659,7 +659,7 @@ impl Cache for RecurrentCache {
         Some(self)
     }
 
-    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
+    fn empty_rows(&self, _rounds: super::Rounds) -> Option<Box<dyn Cache>> {
         Some(Box::new(super::RecurrentRows::new(self.shape)))
     }
 

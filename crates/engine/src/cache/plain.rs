@@ -245,12 +245,13 @@ impl Cache for PlainCache {
         Some(self)
     }
 
-    /// Full precision batches in shared buffers ([`super::SlotRows`]); an encoded storage's
-    /// rows each keep their own ([`super::CacheRows`]).
-    fn empty_rows(&self) -> Option<Box<dyn Cache>> {
-        Some(match self.precision.encoding().format.is_full() {
-            true => Box::new(super::SlotRows::new()),
-            false => Box::new(super::CacheRows::new()),
+    /// Full precision decodes in shared buffers ([`super::SlotRows`]); an encoded storage's
+    /// rows, and rows that verify drafts, each keep their own ([`super::CacheRows`]).
+    fn empty_rows(&self, rounds: super::Rounds) -> Option<Box<dyn Cache>> {
+        let full = self.precision.encoding().format.is_full();
+        Some(match (full, rounds) {
+            (true, super::Rounds::No) => Box::new(super::SlotRows::new()),
+            _ => Box::new(super::CacheRows::new()),
         })
     }
 

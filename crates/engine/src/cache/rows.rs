@@ -308,6 +308,10 @@ impl BatchRows for CacheRows {
     fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>> {
         CacheRows::extract_row(self, row)
     }
+
+    fn rollback_rows(&mut self, keep: &[usize]) -> Result<()> {
+        self.spec_round_rollback(Keep::Each(keep))
+    }
 }
 
 impl AttentionCache for CacheRows {

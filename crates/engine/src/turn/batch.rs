@@ -17,6 +17,7 @@ use crate::cache::KvOptions;
 use crate::error::{Error, Result};
 use crate::generate::Flow;
 use crate::memory::{Beside, Fit};
+use crate::speculative::Speculation;
 
 /// The callback a turn streams its events to; [`Flow::Stop`] ends the turn after that token.
 type OnEvent<'c> = Box<dyn FnMut(TurnEvent) -> Flow + 'c>;
@@ -79,9 +80,14 @@ impl<'c> TurnBatch<'c> {
 
     /// Whether `turn` can join now: it decodes in batches ([`ChatModel::batches`]) and keeps
     /// its keys and values as the turns in the batch do. A turn of another KV storage waits
-    /// for the batch to empty (its rows could not share the batch's layers).
+    /// for the batch to empty (its rows could not share the batch's layers), and so does a
+    /// turn that drafts by prompt lookup when the batch's first turn did not (its rows share
+    /// buffers that resolve no rounds). A plain turn joins a batch that verifies, drafting
+    /// nothing.
     pub fn takes(&self, turn: &Turn) -> bool {
-        self.chat.batches(turn) && (self.is_empty() || self.kv == Some(turn.kv))
+        let drafts = turn.speculation != Speculation::Off;
+        self.chat.batches(turn)
+            && (self.is_empty() || (self.kv == Some(turn.kv) && (!drafts || self.batch.verifies())))
     }
 
     /// Opens `turn`, prefills it alone and streams its first token to `on_event`; the turn then
@@ -98,13 +104,21 @@ impl<'c> TurnBatch<'c> {
     ) -> Result<Joined> {
         if !self.takes(turn) {
             return Err(Error::InvalidRequest(
-                "this turn cannot join the batch (a draft method, or another KV storage than \
-                 the batch's)"
+                "this turn cannot join the batch (a draft or assistant model, drafts in a batch \
+                 that does not verify, or another KV storage than the batch's)"
                     .into(),
             ));
         }
         if self.rows.contains_key(&id) {
             return Err(Error::InvalidRequest(format!("turn {id} is already in the batch")));
+        }
+        let drafts = turn.speculation == Speculation::Lookup;
+        if self.is_empty() && drafts != self.batch.verifies() {
+            // The first turn decides whether rows verify drafts.
+            self.batch = match drafts {
+                true => Batch::verifying(self.chat.model()),
+                false => Batch::new(self.chat.model()),
+            };
         }
         let admitted = self.chat.admit(turn, self.beside())?;
         if let Fit::AfterOthers { needed, available } = admitted.fit {
@@ -115,8 +129,14 @@ impl<'c> TurnBatch<'c> {
         let reply = ReplyText::new(self.chat, turn, opened.started);
         let row = Row { turn: turn.clone(), opened, reply, on_event: Box::new(on_event) };
         let request = row.opened.request.clone();
+        // The tokens the caches held before the prompt (a restored checkpoint's).
+        let earlier = row.opened.prompt[..row.opened.prompt.len() - request.prompt.len()].to_vec();
         self.rows.insert(id, row);
-        let events = match self.batch.join(id, caches, &request) {
+        let joined = match drafts {
+            true => self.batch.join_drafting(id, caches, &request, &earlier, turn.draft_length),
+            false => self.batch.join(id, caches, &request),
+        };
+        let events = match joined {
             Ok(events) => events,
             Err(e) => {
                 self.rows.remove(&id);
@@ -190,12 +210,13 @@ impl<'c> TurnBatch<'c> {
     }
 
     fn close(&mut self, finished: Finished) -> Result<TurnOutcome> {
-        let Finished { id, generation, caches } = finished;
+        let Finished { id, generation, caches, spec } = finished;
         let mut row = self
             .rows
             .remove(&id)
             .ok_or_else(|| Error::InvalidRequest(format!("no turn {id} in the batch")))?;
         row.opened.caches = caches;
-        self.chat.close(&row.turn, row.opened, generation, None, row.reply, None)
+        // Prompt lookup keeps no state of its own to checkpoint.
+        self.chat.close(&row.turn, row.opened, generation, spec, row.reply, None)
     }
 }

@@ -228,3 +228,125 @@ fn a_cancelled_row_leaves_at_once_and_bad_joins_change_nothing() {
         assert_eq!(rest[&id], alone(model.as_ref(), &requests[id as usize]).0, "row {id}");
     }
 }
+
+/// The trained demo the app ships (`make demo-model` unpacks it into target/demo-model): it
+/// goes on with a pattern its prompt repeats, so its rows accept drafts.
+fn trained_demo() -> Box<dyn Model> {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/demo-model");
+    assert!(dir.join("model.safetensors").exists(), "run `make demo-model` first");
+    engine::registry::load_model(dir, &engine::LoadOptions::default()).unwrap()
+}
+
+/// A prompt that repeats itself, so prompt lookup has matches to propose.
+fn repeating_prompt() -> Vec<u32> {
+    let phrase = [17u32, 230, 45, 301, 9, 77, 412, 5];
+    (0..5).flat_map(|i| phrase.iter().map(move |&t| t + i % 2)).collect()
+}
+
+/// Rows that draft by prompt lookup verify their drafts together in a batch that verifies: one
+/// window pass a step, each row keeping what its own picks confirm. Greedy and sampled at fixed
+/// seeds, joining at different steps beside a row that does not draft, each row generates what
+/// it generates alone by plain decoding, and its caches hold its prompt and every token but
+/// the last, as plain decoding leaves them.
+#[test]
+fn lookup_rows_verify_together_and_equal_each_request_alone() {
+    use engine::speculative::DraftLength;
+    for name in ["demo", "gemma4/dense", "gemma4/moe", "gemma3/text", "qwen3_5/dense"] {
+        let model = match name {
+            "demo" => trained_demo(),
+            name => load(name),
+        };
+        // The demo's vocabulary makes each of its positions costly on the CPU: greedy only.
+        let samplings: &[bool] = if name == "demo" { &[false] } else { &[false, true] };
+        for &sampled in samplings {
+            let what = format!("{name}, {}", if sampled { "sampled" } else { "greedy" });
+            let mut requests = requests(&repeating_prompt(), sampled);
+            for r in &mut requests {
+                r.max_tokens += 24;
+            }
+            let joins = [0, 1, 3, 4];
+            let mut batch = Batch::verifying(model.as_ref());
+            let mut streamed: BTreeMap<RowId, Vec<u32>> = BTreeMap::new();
+            let mut finished: BTreeMap<RowId, Finished> = BTreeMap::new();
+            let mut record = |events: Vec<BatchEvent>| {
+                for event in events {
+                    match event {
+                        BatchEvent::Token { id, token } => {
+                            streamed.entry(id).or_default().push(token)
+                        }
+                        BatchEvent::Finished(f) => assert!(finished.insert(f.id, f).is_none()),
+                    }
+                }
+            };
+            for step in 0.. {
+                for (i, request) in requests.iter().enumerate() {
+                    if joins[i] != step {
+                        continue;
+                    }
+                    let caches = model.fresh_caches().unwrap();
+                    // Row 2 decodes plainly among the rows that draft.
+                    let events = match i {
+                        2 => batch.join(i as RowId, caches, request),
+                        _ => batch.join_drafting(
+                            i as RowId,
+                            caches,
+                            request,
+                            &[],
+                            DraftLength::default(),
+                        ),
+                    };
+                    record(events.unwrap());
+                }
+                if batch.is_empty() && step > 4 {
+                    break;
+                }
+                record(batch.step().unwrap());
+            }
+            let (mut proposed, mut accepted) = (0, 0);
+            for (i, request) in requests.iter().enumerate() {
+                let (want, _) = alone(model.as_ref(), request);
+                let f = &finished[&(i as RowId)];
+                assert_eq!(streamed[&(i as RowId)], want, "{what}: row {i} streamed");
+                assert_eq!(f.generation.tokens, want, "{what}: row {i}");
+                let held = request.prompt.len() + want.len() - 1;
+                for cache in &f.caches {
+                    assert_eq!(cache.offset(), held, "{what}: row {i} caches");
+                }
+                match (i, &f.spec) {
+                    (2, spec) => assert!(spec.is_none(), "the plain row drafted nothing"),
+                    (_, Some(spec)) => {
+                        proposed += spec.proposed;
+                        accepted += spec.accepted;
+                    }
+                    (_, None) => panic!("{what}: row {i} has no draft counts"),
+                }
+            }
+            assert!(proposed > 0, "{what}: drafts were verified");
+            // The random checkpoints rarely repeat themselves; the trained demo does.
+            if name == "demo" {
+                assert!(accepted > 0, "{what}: drafts were kept");
+            }
+        }
+    }
+}
+
+/// A batch that decodes plainly takes no row that drafts, and a model whose state takes no
+/// rounds per row (Qwen3.5's rope shifts, on its checkpoint with a vision tower) refuses a
+/// batch that verifies, before any prefill.
+#[test]
+fn rows_that_draft_join_only_a_batch_that_verifies() {
+    use engine::speculative::DraftLength;
+    let model = load("gemma4/dense");
+    let request = GenerateRequest::new(repeating_prompt(), 8);
+    let mut plain = Batch::new(model.as_ref());
+    let caches = model.fresh_caches().unwrap();
+    let err = plain.join_drafting(0, caches, &request, &[], DraftLength::default()).unwrap_err();
+    assert!(err.to_string().contains("verifies"), "{err}");
+    assert!(plain.is_empty());
+    let model = load("qwen3_5/vision");
+    let mut verifying = Batch::verifying(model.as_ref());
+    let caches = model.fresh_caches().unwrap();
+    let err = verifying.join(0, caches, &request).unwrap_err();
+    assert!(err.to_string().contains("does not batch"), "{err}");
+    assert!(verifying.is_empty());
+}
