@@ -209,16 +209,20 @@ fn compiled_and_uncompiled_decode_give_the_same_tokens() {
 
 /// `bench-batch --compare`: streams decoding together through Quince's batch and through
 /// mlx-lm's BatchGenerator (in the project's Python environment) give the same greedy tokens,
-/// every stream at every count, and both report their figures.
+/// every stream at every count, and both report their figures; with `--lookup` (streams that
+/// draft and verify together) the tokens are still mlx-lm's plain ones.
 #[test]
 fn bench_batch_tokens_equal_mlx_lm_batch_generators() {
     // Gemma 4, and Qwen3.5 (gated DeltaNet rows in one recurrence beside attention rows).
-    for model in [dense(), root().join("tests/golden/qwen3_5/dense")] {
+    let qwen = root().join("tests/golden/qwen3_5/dense");
+    for (model, lookup) in [(dense(), false), (qwen.clone(), false), (dense(), true), (qwen, true)]
+    {
         let out = quince()
             .args(["bench-batch", "--model"])
             .arg(&model)
             .args(["--prompt-tokens", "24", "--gen-tokens", "6", "--streams", "1,3"])
             .args(["--repeats", "1", "--compare", "--json"])
+            .args(lookup.then_some("--lookup"))
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -232,6 +236,8 @@ fn bench_batch_tokens_equal_mlx_lm_batch_generators() {
             let rates = rows.iter().map(|r| r["decode_tok_s"].as_f64().unwrap());
             assert!(rates.clone().all(|r| r > 0.0), "{side}: {stdout}");
         }
+        let drafts = json["quince"][1]["drafts_proposed"].as_u64();
+        assert_eq!(drafts.is_some(), lookup, "draft counts with --lookup: {stdout}");
     }
 }
 

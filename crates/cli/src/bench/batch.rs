@@ -8,7 +8,9 @@
 //! token of the last stream to join until the last stream ends), and the p50/p99 time of one
 //! decode step (what each stream waits per token). Medians over `--repeats` runs after a
 //! warm-up at the largest count. With `--compare`, whether the greedy tokens of every stream
-//! equal mlx-lm's.
+//! equal mlx-lm's. With `--lookup` every stream drafts by prompt lookup and the streams verify
+//! their drafts together (`Batch::verifying`), with the share of drafts kept; mlx-lm's
+//! `BatchGenerator` does not speculate, so beside it the same tokens must come faster.
 
 use std::time::Instant;
 
@@ -16,6 +18,7 @@ use anyhow::{Context, bail};
 use engine::batch::{Batch, BatchEvent};
 use engine::generate::GenerateRequest;
 use engine::models::Model;
+use engine::speculative::DraftLength;
 use serde_json::{Value, json};
 
 use crate::options::LoadArgs;
@@ -47,6 +50,9 @@ pub struct Args {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// Every stream drafts by prompt lookup; the streams verify their drafts together.
+    #[arg(long)]
+    lookup: bool,
     #[command(flatten)]
     load: LoadArgs,
 }
@@ -63,23 +69,36 @@ struct Run {
     decode_tok_s: f64,
     step_ms: Vec<f64>,
     tokens: Vec<Vec<u32>>,
+    /// Drafts proposed and kept (`--lookup`).
+    drafts: (usize, usize),
 }
 
 fn run_once(model: &dyn Model, args: &Args, streams: usize) -> anyhow::Result<Run> {
     let vocab = model.vocab_size() as u32;
-    let mut batch = Batch::new(model);
+    let mut batch = if args.lookup { Batch::verifying(model) } else { Batch::new(model) };
     let mut tokens = vec![Vec::new(); streams];
-    let record = |events: Vec<BatchEvent>, tokens: &mut Vec<Vec<u32>>| {
+    let mut drafts = (0, 0);
+    let mut record = |events: Vec<BatchEvent>, tokens: &mut Vec<Vec<u32>>| {
         for event in events {
-            if let BatchEvent::Token { id, token } = event {
-                tokens[id as usize].push(token);
+            match event {
+                BatchEvent::Token { id, token } => tokens[id as usize].push(token),
+                BatchEvent::Finished(finished) => {
+                    if let Some(spec) = finished.spec {
+                        drafts.0 += spec.proposed;
+                        drafts.1 += spec.accepted;
+                    }
+                }
             }
         }
     };
     for s in 0..streams {
         let request =
             GenerateRequest::new(stream_prompt(args.prompt_tokens, vocab, s), args.gen_tokens);
-        let events = batch.join(s as u64, model.fresh_caches()?, &request)?;
+        let (id, caches) = (s as u64, model.fresh_caches()?);
+        let events = match args.lookup {
+            true => batch.join_drafting(id, caches, &request, &[], DraftLength::default())?,
+            false => batch.join(id, caches, &request)?,
+        };
         record(events, &mut tokens);
     }
     let start = Instant::now();
@@ -92,7 +111,7 @@ fn run_once(model: &dyn Model, args: &Args, streams: usize) -> anyhow::Result<Ru
     }
     let secs = start.elapsed().as_secs_f64();
     let decoded: usize = tokens.iter().map(|t| t.len().saturating_sub(1)).sum();
-    Ok(Run { decode_tok_s: decoded as f64 / secs, step_ms, tokens })
+    Ok(Run { decode_tok_s: decoded as f64 / secs, step_ms, tokens, drafts })
 }
 
 fn percentile(values: &mut [f64], p: f64) -> f64 {
@@ -120,19 +139,26 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let mut rates = Vec::new();
         let mut steps = Vec::new();
         let mut tokens = Vec::new();
+        let mut drafts = (0, 0);
         for _ in 0..args.repeats {
             let run = run_once(model.as_ref(), args, streams)?;
             rates.push(run.decode_tok_s);
             steps.extend(run.step_ms);
             tokens = run.tokens;
+            drafts = (drafts.0 + run.drafts.0, drafts.1 + run.drafts.1);
         }
-        rows.push(json!({
+        let mut row = json!({
             "streams": streams,
             "decode_tok_s": percentile(&mut rates, 0.5),
             "step_ms_p50": percentile(&mut steps, 0.5),
             "step_ms_p99": percentile(&mut steps, 0.99),
             "tokens": tokens,
-        }));
+        });
+        if args.lookup {
+            row["drafts_proposed"] = json!(drafts.0 / args.repeats);
+            row["drafts_accepted"] = json!(drafts.1 / args.repeats);
+        }
+        rows.push(row);
     }
     let reference = if args.compare { Some(reference(args)?) } else { None };
     print_table(&rows, reference.as_ref());
@@ -206,6 +232,10 @@ fn print_table(rows: &[Value], reference: Option<&Value>) {
             f(&row["step_ms_p50"]),
             f(&row["step_ms_p99"])
         );
+        if let Some(proposed) = row["drafts_proposed"].as_u64() {
+            let accepted = row["drafts_accepted"].as_u64().unwrap_or(0);
+            print!("   drafts kept {accepted:>4}/{proposed:<4}");
+        }
         if let Some(r) = reference
             .and_then(|r| reference_rows(r).iter().find(|r| r["streams"] == row["streams"]))
         {
