@@ -531,6 +531,11 @@ impl<'m> Batch<'m> {
             .map(|layer| rows_of(layer.as_mut())?.extract_row(b))
             .collect::<Result<Vec<_>>>()?;
         let row = self.rows.remove(b);
+        if self.rows.is_empty() && row.ahead.is_some() {
+            // The last row leaves with a pass built ahead still running: wait for it, so
+            // nothing of the batch computes after it has emptied (see `generate`'s loop).
+            mlx::device::synchronize()?;
+        }
         row.finish(reason, caches)
     }
 

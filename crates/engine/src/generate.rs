@@ -416,6 +416,12 @@ pub(crate) fn decode_loop<F: FnMut(u32) -> Flow>(
         }
         emitted += 1;
         if let Some(reason) = out.emit(token) {
+            if next.is_some() {
+                // The step built ahead is still running: wait for it, so that nothing of this
+                // reply computes after it has returned (its caches are settled, and a process
+                // that ends now does not free what that step still writes).
+                mlx::device::synchronize()?;
+            }
             return Ok(Decoded::Ended(reason));
         }
         if !more {
