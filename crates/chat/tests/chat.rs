@@ -2,12 +2,15 @@
 //! the error paths, each leaving the store consistent.
 #![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chat::Chat;
 use chat::view::{ErrorKind, LoadEvent, ModelSource, Settings, StreamEvent, ThreadMessage};
+use common::StreamLog;
 use store::{MessageState, Role};
 
 fn root() -> PathBuf {
@@ -760,30 +763,6 @@ async fn kv_choices_reach_the_engine_and_the_memory_guard_refuses_before_storing
     chat.set_settings(fresh.id, &Settings { kv: turbo, ..greedy(4) }).await.unwrap();
     let (ok, _) = send(&chat, fresh.id, "Hello", &[]).await;
     assert_eq!(ok.unwrap().state, MessageState::Complete);
-}
-
-/// What several replies streamed, in order, as (conversation, `text` | `done` | `other`).
-#[derive(Clone, Default)]
-struct StreamLog(Arc<Mutex<Vec<(i64, &'static str)>>>);
-
-impl StreamLog {
-    /// A stream callback recording conversation `c`'s events.
-    fn recorder(&self, c: i64) -> impl FnMut(StreamEvent) + Send + 'static {
-        let log = self.0.clone();
-        move |e: StreamEvent| {
-            let kind = match e {
-                StreamEvent::Text { .. } => "text",
-                StreamEvent::Done { .. } => "done",
-                StreamEvent::Queued { .. } => "queued",
-                _ => "other",
-            };
-            log.lock().unwrap().push((c, kind));
-        }
-    }
-
-    fn events(&self) -> Vec<(i64, &'static str)> {
-        self.0.lock().unwrap().clone()
-    }
 }
 
 /// Sends `first` in its conversation and, once that reply streams, `second` in its own;

@@ -4,11 +4,13 @@
 //! draws while it runs.
 #![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
+mod common;
+
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 
 use chat::Chat;
-use chat::view::{Settings, StreamEvent};
+use chat::view::Settings;
+use common::StreamLog;
 use store::MessageState;
 
 struct Fixture {
@@ -41,31 +43,6 @@ async fn ready(f: &Fixture, max_tokens: u32) -> (Chat, i64) {
     let c = chat.create_conversation().await.unwrap();
     chat.set_settings(c.id, &greedy(max_tokens)).await.unwrap();
     (chat, c.id)
-}
-
-/// What several replies streamed, in order, as (conversation, `text` | `queued` | `done` |
-/// `other`).
-#[derive(Clone, Default)]
-struct StreamLog(Arc<Mutex<Vec<(i64, &'static str)>>>);
-
-impl StreamLog {
-    /// A stream callback recording conversation `c`'s events.
-    fn recorder(&self, c: i64) -> impl FnMut(StreamEvent) + Send + 'static {
-        let log = self.0.clone();
-        move |e: StreamEvent| {
-            let kind = match e {
-                StreamEvent::Text { .. } => "text",
-                StreamEvent::Done { .. } => "done",
-                StreamEvent::Queued { .. } => "queued",
-                _ => "other",
-            };
-            log.lock().unwrap().push((c, kind));
-        }
-    }
-
-    fn events(&self) -> Vec<(i64, &'static str)> {
-        self.0.lock().unwrap().clone()
-    }
 }
 
 /// A reply whose KV cache fits the memory limit alone but not beside a reply decoding waits in

@@ -245,14 +245,8 @@ impl Cache for PlainCache {
         Some(self)
     }
 
-    /// Full precision decodes in shared buffers ([`super::SlotRows`]); an encoded storage's
-    /// rows, and rows that verify drafts, each keep their own ([`super::CacheRows`]).
     fn empty_rows(&self, rounds: super::Rounds) -> Option<Box<dyn Cache>> {
-        let full = self.precision.encoding().format.is_full();
-        Some(match (full, rounds) {
-            (true, super::Rounds::No) => Box::new(super::SlotRows::new()),
-            _ => Box::new(super::CacheRows::new()),
-        })
+        Some(super::slot_rows::kv_rows(self.precision.encoding(), rounds))
     }
 
     fn take_slots(&mut self) -> Option<super::SlotRow> {

@@ -369,14 +369,8 @@ impl Cache for RotatingCache {
         Some(self)
     }
 
-    /// Full precision decodes in shared buffers ([`super::SlotRows`]); an encoded ring's rows,
-    /// and rows that verify drafts, each keep their own ([`super::CacheRows`]).
     fn empty_rows(&self, rounds: super::Rounds) -> Option<Box<dyn Cache>> {
-        let full = self.precision.encoding().format.is_full();
-        Some(match (full, rounds) {
-            (true, super::Rounds::No) => Box::new(super::SlotRows::new()),
-            _ => Box::new(super::CacheRows::new()),
-        })
+        Some(super::slot_rows::kv_rows(self.precision.encoding(), rounds))
     }
 
     fn take_slots(&mut self) -> Option<super::SlotRow> {

@@ -76,6 +76,16 @@ impl SlotRow {
     }
 }
 
+/// The batch of rows plain and ring storage of `encoding` make ([`Cache::empty_rows`]): full
+/// precision decodes in shared buffers ([`SlotRows`]); encoded storage's rows, and rows that
+/// verify drafts, each keep their own ([`super::CacheRows`]).
+pub(crate) fn kv_rows(encoding: kv::KvEncoding, rounds: super::Rounds) -> Box<dyn Cache> {
+    match (encoding.format.is_full(), rounds) {
+        (true, super::Rounds::No) => Box::new(SlotRows::new()),
+        _ => Box::new(super::CacheRows::new()),
+    }
+}
+
 /// Rows of one batch in shared buffers. See the module docs.
 #[derive(Debug, Default)]
 pub struct SlotRows {
