@@ -1,11 +1,11 @@
 //! The engine actor: one thread owns the model and every MLX array (MLX streams belong to the
 //! thread that made them); the rest of the app sends it commands and receives events. A reply
-//! is one [`engine::turn::Turn`]. Replies with plain decoding or prompt lookup decode together
-//! in one [`TurnBatch`] (each joins after its own prefill and leaves when it ends), so a second
-//! conversation streams while the first does; a reply with a draft or assistant model, one
-//! that drafts when the batch's rows do not (or the other way round), or one with another KV
-//! storage than the batch's, is answered after the batch ([`ChatModel::answer`] for a draft
-//! model).
+//! is one [`engine::turn::Turn`]. Replies with plain decoding, prompt lookup or a draft model
+//! decode together in one [`TurnBatch`] (each joins after its own prefill and leaves when it
+//! ends; each reply with a draft model drafts on caches of its own), so a second conversation
+//! streams while the first does; a reply with an assistant model, one that drafts when the
+//! batch's rows do not (or the other way round), or one with another KV storage than the
+//! batch's, is answered after the batch ([`ChatModel::answer`] for an assistant).
 //!
 //! A reply never waits unseen and is never dropped for another: one that must wait (its KV
 //! cache fits the memory limit only once replies decoding have ended, or it decodes alone
@@ -162,7 +162,7 @@ impl Engine {
                             }
                             Some(model) if model.batches(&turn) => {
                                 let first = Pending::new(turn, events, cancel);
-                                serve_together(model, first, &inbox, &mut deferred);
+                                serve_together(model, &mut drafters, first, &inbox, &mut deferred);
                             }
                             Some(model) => reply(model, &mut drafters, &turn, &events, &cancel),
                         },
@@ -316,12 +316,14 @@ impl Pending {
 /// they were sent.
 fn serve_together(
     chat: &ChatModel,
+    drafters: &mut Drafters,
     first: Pending,
     inbox: &std::sync::mpsc::Receiver<Command>,
     deferred: &mut VecDeque<Command>,
 ) {
     let mut together = Together {
         batch: TurnBatch::new(chat),
+        drafters,
         live: HashMap::new(),
         waiting: VecDeque::new(),
         next: 0,
@@ -380,16 +382,17 @@ fn defer(deferred: &mut VecDeque<Command>, command: Command) {
     deferred.push_back(command);
 }
 
-/// The replies of [`serve_together`]'s batch, where each one's events go, and the replies
-/// waiting for memory, in the order they came.
-struct Together<'c> {
+/// The replies of [`serve_together`]'s batch, the drafters their forks come from, where each
+/// reply's events go, and the replies waiting for memory, in the order they came.
+struct Together<'c, 'd> {
     batch: TurnBatch<'c>,
+    drafters: &'d mut Drafters,
     live: HashMap<RowId, mpsc::UnboundedSender<ReplyEvent>>,
     waiting: VecDeque<Pending>,
     next: RowId,
 }
 
-impl Together<'_> {
+impl Together<'_, '_> {
     /// A reply that came: it joins now, or waits behind those already waiting.
     fn arrive(&mut self, pending: Pending) {
         if self.waiting.is_empty() {
@@ -430,13 +433,17 @@ impl Together<'_> {
         let id = self.next;
         let stream = pending.events.clone();
         let cancel = pending.cancel.clone();
-        let joined =
-            self.batch.join(id, &pending.turn, move |TurnEvent::Token { text, .. }| {
+        let joined = self.batch.join(
+            id,
+            &pending.turn,
+            self.drafters,
+            move |TurnEvent::Token { text, .. }| {
                 if !text.is_empty() {
                     let _ = stream.send(ReplyEvent::Text { text });
                 }
                 if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
-            });
+            },
+        );
         match joined {
             Ok(Joined::Decoding) => {
                 self.next += 1;

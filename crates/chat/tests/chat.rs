@@ -850,10 +850,11 @@ async fn two_conversations_stream_at_once_and_each_reply_is_its_own() {
     assert!(next.unwrap().stats.unwrap().reused_tokens > 0, "b resumed from its checkpoint");
 }
 
-/// Two conversations that draft by prompt lookup reply at the same time: their drafts are
-/// verified in one batch, each reply is the plain reply, and each carries its own draft counts.
+/// Two conversations that draft, one by prompt lookup and one with a draft model, reply at the
+/// same time: their drafts are verified in one batch, each reply is the plain reply, and each
+/// carries its own draft counts.
 #[tokio::test(flavor = "multi_thread")]
-async fn two_conversations_with_prompt_lookup_stream_at_once_with_the_plain_replies() {
+async fn two_conversations_that_draft_stream_at_once_with_the_plain_replies() {
     use chat::view::Speculation;
     let f = fixture();
     let (chat, plain) = ready(&f, 24).await;
@@ -865,21 +866,25 @@ async fn two_conversations_with_prompt_lookup_stream_at_once_with_the_plain_repl
     let want_b = send(&chat, c, second, &[]).await.0.unwrap().content;
 
     let lookup = Settings { speculation: Speculation::Lookup, ..greedy(24) };
+    // The model drafts for itself: every draft is kept.
+    let draft = Speculation::Draft { model: f.model.to_path_buf() };
+    let draft = Settings { speculation: draft, ..greedy(24) };
     let (a, b) = (
         chat.create_conversation().await.unwrap().id,
         chat.create_conversation().await.unwrap().id,
     );
     chat.set_settings(a, &lookup).await.unwrap();
-    chat.set_settings(b, &lookup).await.unwrap();
+    chat.set_settings(b, &draft).await.unwrap();
     let log = StreamLog::default();
     let (got_a, got_b) = send_overlapping(&chat, &log, (a, first), (b, second)).await;
     assert_eq!(got_a.content, want_a, "prompt lookup in a batch changes nothing in the reply");
-    assert_eq!(got_b.content, want_b);
-    for reply in [&got_a, &got_b] {
-        let spec = reply.stats.clone().unwrap().spec.unwrap();
-        assert_eq!(spec.method, "lookup");
-        assert!(spec.accepted <= spec.proposed, "{spec:?}");
-    }
+    assert_eq!(got_b.content, want_b, "nor does a draft model");
+    let spec = got_a.stats.clone().unwrap().spec.unwrap();
+    assert_eq!(spec.method, "lookup");
+    assert!(spec.accepted <= spec.proposed, "{spec:?}");
+    let spec = got_b.stats.clone().unwrap().spec.unwrap();
+    assert_eq!(spec.method, "draft");
+    assert!(spec.proposed > 0 && spec.accepted == spec.proposed, "{spec:?}");
     let log = log.events();
     let a_done = log.iter().position(|&e| e == (a, "done"));
     let b_text = log.iter().position(|&e| e == (b, "text")).unwrap();

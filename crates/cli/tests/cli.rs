@@ -209,20 +209,28 @@ fn compiled_and_uncompiled_decode_give_the_same_tokens() {
 
 /// `bench-batch --compare`: streams decoding together through Quince's batch and through
 /// mlx-lm's BatchGenerator (in the project's Python environment) give the same greedy tokens,
-/// every stream at every count, and both report their figures; with `--lookup` (streams that
-/// draft and verify together) the tokens are still mlx-lm's plain ones.
+/// every stream at every count, and both report their figures; with `--lookup` or `--draft`
+/// (streams that draft and verify together) the tokens are still mlx-lm's plain ones.
 #[test]
 fn bench_batch_tokens_equal_mlx_lm_batch_generators() {
     // Gemma 4, and Qwen3.5 (gated DeltaNet rows in one recurrence beside attention rows).
     let qwen = root().join("tests/golden/qwen3_5/dense");
-    for (model, lookup) in [(dense(), false), (qwen.clone(), false), (dense(), true), (qwen, true)]
-    {
+    let q8 = root().join("tests/golden/gemma4/dense_q8");
+    let draft = ["--draft", q8.to_str().unwrap()];
+    let runs: [(PathBuf, &[&str]); 5] = [
+        (dense(), &[]),
+        (qwen.clone(), &[]),
+        (dense(), &["--lookup"]),
+        (qwen, &["--lookup"]),
+        (dense(), &draft),
+    ];
+    for (model, drafting) in runs {
         let out = quince()
             .args(["bench-batch", "--model"])
             .arg(&model)
             .args(["--prompt-tokens", "24", "--gen-tokens", "6", "--streams", "1,3"])
             .args(["--repeats", "1", "--compare", "--json"])
-            .args(lookup.then_some("--lookup"))
+            .args(drafting)
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -237,7 +245,10 @@ fn bench_batch_tokens_equal_mlx_lm_batch_generators() {
             assert!(rates.clone().all(|r| r > 0.0), "{side}: {stdout}");
         }
         let drafts = json["quince"][1]["drafts_proposed"].as_u64();
-        assert_eq!(drafts.is_some(), lookup, "draft counts with --lookup: {stdout}");
+        assert_eq!(drafts.is_some(), !drafting.is_empty(), "draft counts: {stdout}");
+        if drafting.first() == Some(&"--draft") {
+            assert!(drafts.unwrap() > 0, "a draft model always proposes: {stdout}");
+        }
     }
 }
 

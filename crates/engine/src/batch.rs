@@ -32,8 +32,7 @@ use crate::error::{Error, Result};
 use crate::generate::{GenerateRequest, Generation, GenerationStats, StopReason};
 use crate::models::{Model, Phase};
 use crate::sampling::Sampler;
-use crate::speculative::lookup::PromptLookup;
-use crate::speculative::{DraftLength, Pace, SpecStats};
+use crate::speculative::{DraftLength, DraftMethod, Pace, SpecStats, Target};
 
 /// Identifies a request in a batch (the caller's choice, unique among the rows).
 pub type RowId = u64;
@@ -65,12 +64,15 @@ pub struct Finished {
     pub caches: Vec<Box<dyn Cache>>,
     /// Its drafts' counts, when it drafted ([`Batch::join_drafting`]).
     pub spec: Option<SpecStats>,
+    /// The method it drafted with, holding its state of the conversation (a draft model's
+    /// caches), ready to checkpoint ([`DraftMethod::checkpoint`]).
+    pub drafter: Option<Box<dyn DraftMethod>>,
 }
 
-/// A row that drafts by prompt lookup and verifies its drafts with the other rows'.
+/// A row that drafts with a method of its own and verifies its drafts with the other rows'.
 #[derive(Debug)]
 struct Drafting {
-    lookup: PromptLookup,
+    method: Box<dyn DraftMethod>,
     pace: Pace,
     /// The whole conversation as the lookup sees it: earlier turns, the prompt, the reply.
     context: Vec<u32>,
@@ -130,8 +132,11 @@ impl Row {
         }
         self.stats.peak_mem_bytes = mlx::device::memory::peak()?;
         let generation = Generation { tokens: self.tokens, stop_reason: reason, stats: self.stats };
-        let spec = self.drafting.map(|d| d.stats);
-        Ok(Finished { id: self.id, generation, caches, spec })
+        let (spec, drafter) = match self.drafting {
+            Some(d) => (Some(d.stats), Some(d.method)),
+            None => (None, None),
+        };
+        Ok(Finished { id: self.id, generation, caches, spec, drafter })
     }
 
     /// Whether the row picks greedily (a verify window's picks are then one argmax).
@@ -141,24 +146,24 @@ impl Row {
     }
 
     /// This step's drafts: none for a row that does not draft or decodes plainly for now,
-    /// else the lookup's, at most what the row's budget and `room` (positions the caches take
+    /// else its method's, at most what the row's budget and `room` (positions the caches take
     /// before a KV conversion) leave after the bonus token.
-    fn propose(&mut self, room: usize) -> Vec<u32> {
+    fn propose(&mut self, target: &dyn Model, room: usize) -> Result<Vec<u32>> {
         let remaining = self.max_tokens.saturating_sub(self.tokens.len());
         let Some(drafting) = &mut self.drafting else {
-            return Vec::new();
+            return Ok(Vec::new());
         };
         if drafting.pace.backoff > 0 {
             drafting.pace.backoff -= 1;
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let most = remaining.saturating_sub(1).min(room).min(drafting.pace.k());
         if most == 0 {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        let mut drafts = drafting.lookup.find(&drafting.context, most);
+        let mut drafts = drafting.method.propose(alone(target), &drafting.context, most)?;
         drafts.truncate(most);
-        drafts
+        Ok(drafts)
     }
 }
 
@@ -233,17 +238,21 @@ impl<'m> Batch<'m> {
         self.admit(id, caches, request, None)
     }
 
-    /// [`Batch::join`] for a row that drafts by prompt lookup, in a batch that verifies
-    /// ([`Batch::verifying`]): each step it proposes what follows the latest earlier
-    /// occurrence of its conversation's last tokens (`earlier`: the tokens `caches` held
-    /// before the prompt), as many as `length` allows, and keeps the drafts its own picks
-    /// confirm: the same tokens as decoding plainly, greedy or sampled at the same seed.
+    /// [`Batch::join`] for a row that drafts with `method` (its own: a fork of a drafter, see
+    /// [`DraftMethod::fork`]), in a batch that verifies ([`Batch::verifying`]): each step the
+    /// method proposes what follows the row's conversation (`earlier`, the tokens `caches` held
+    /// before the prompt, then the prompt and the reply so far), as many as `length` allows,
+    /// and the row keeps the drafts its own picks confirm: the same tokens as decoding
+    /// plainly, greedy or sampled at the same seed. Prompt lookup and draft models draft here;
+    /// a method that reads the target's own state ([`DraftMethod::ports`]: an assistant, an
+    /// MTP head) is refused, as the target keeps a batch's state in rows.
     pub fn join_drafting(
         &mut self,
         id: RowId,
         caches: Vec<Box<dyn Cache>>,
         request: &GenerateRequest,
         earlier: &[u32],
+        mut method: Box<dyn DraftMethod>,
         length: DraftLength,
     ) -> Result<Vec<BatchEvent>> {
         if self.rounds != Rounds::PerRow {
@@ -256,11 +265,19 @@ impl<'m> Batch<'m> {
                 "a speculative round drafts at least one token".into(),
             ));
         }
+        if !method.ports().is_empty() {
+            return Err(Error::InvalidRequest(format!(
+                "the {} drafter reads the target's own state, which a batch keeps in rows: its \
+                 replies run one at a time",
+                method.name()
+            )));
+        }
+        method.bind(self.model)?;
         let drafting = Drafting {
-            lookup: PromptLookup::default(),
+            stats: SpecStats { method: method.name().into(), ..SpecStats::default() },
+            method,
             pace: Pace::new(length),
             context: earlier.iter().chain(&request.prompt).copied().collect(),
-            stats: SpecStats { method: "lookup".into(), ..SpecStats::default() },
         };
         self.admit(id, caches, request, Some(drafting))
     }
@@ -270,11 +287,17 @@ impl<'m> Batch<'m> {
         id: RowId,
         mut caches: Vec<Box<dyn Cache>>,
         request: &GenerateRequest,
-        drafting: Option<Drafting>,
+        mut drafting: Option<Drafting>,
     ) -> Result<Vec<BatchEvent>> {
         self.check_joins(id, &caches)?;
         let mut sampler = Sampler::new(request.sampling.clone())?;
         let (logits, start) = crate::generate::start(self.model, &mut caches, request)?;
+        if let Some(d) = &mut drafting
+            && request.max_tokens > 0
+        {
+            // The method's own prefill of the conversation (a draft model's caches).
+            d.stats.context_computed = d.method.start(alone(self.model), &d.context)?;
+        }
         let first = match request.max_tokens {
             0 => None,
             _ => Some(sampler.sample(&logits, &request.prompt)?.item::<u32>()?),
@@ -397,7 +420,9 @@ impl<'m> Batch<'m> {
             return Ok(events);
         }
         let room = stack_max_append(&self.layers).map_or(usize::MAX, |r| r.saturating_sub(1));
-        let drafts: Vec<Vec<u32>> = self.rows.iter_mut().map(|r| r.propose(room)).collect();
+        let model = self.model;
+        let drafts: Vec<Vec<u32>> =
+            self.rows.iter_mut().map(|r| r.propose(model, room)).collect::<Result<_>>()?;
         let longest = drafts.iter().map(Vec::len).max().unwrap_or(0);
         if longest == 0 {
             events.extend(self.decode_step()?);
@@ -443,13 +468,22 @@ impl<'m> Batch<'m> {
                 drafting.pace.after_round(drafts.len(), accepted);
             }
             let mut emitted = 0;
+            let mut ends = false;
             for &token in &picks[..=accepted] {
                 emitted += 1;
                 events.push(BatchEvent::Token { id: row.id, token });
                 if let Some(reason) = row.emit(token) {
                     ended.push((b, reason));
+                    ends = true;
                     break;
                 }
+            }
+            // The method learns what the round kept, as in `speculative::generate` (a row
+            // that ends leaves its round open: its checkpoint closes it).
+            if let Some(drafting) = &mut row.drafting
+                && !ends
+            {
+                drafting.method.settle(alone(model), accepted)?;
             }
             // The row keeps its last token and the drafts before its last emitted token
             // (the next last token, not appended yet).
@@ -568,6 +602,12 @@ impl<'m> Batch<'m> {
         }
         Ok(())
     }
+}
+
+/// The target as a row's method sees it: the model, and no caches of its own (they are the
+/// batch's rows; methods that would read them do not draft in a batch).
+fn alone(model: &dyn Model) -> Target<'_> {
+    Target { model, caches: &[] }
 }
 
 /// Ends an armed round on `layers` keeping nothing: what a failed window leaves.

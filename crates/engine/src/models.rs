@@ -206,7 +206,8 @@ pub trait RecurrentMtpRows {
 pub struct Target<'a> {
     /// The target model.
     pub model: &'a dyn Model,
-    /// Its caches.
+    /// Its caches; empty for a row of a batch (whose caches are the batch's rows), where
+    /// only methods that read no [`TargetPort`] draft.
     pub caches: &'a [Box<dyn Cache>],
 }
 
@@ -249,4 +250,11 @@ pub trait DraftMethod: std::fmt::Debug {
     /// After a generation (whatever its end): let go of what [`DraftMethod::bind`] asked of
     /// the target (the hidden rows an MTP head has it keep).
     fn release(&mut self, _target: &dyn Model) {}
+    /// The same drafter with state of its own, for another conversation decoding at the same
+    /// time (a row of a [`crate::batch::Batch`]): what it loaded (a draft model's weights) is
+    /// shared, its conversation state starts empty. `None` for a method that drafts for one
+    /// conversation at a time.
+    fn fork(&self) -> Option<Box<dyn DraftMethod>> {
+        None
+    }
 }

@@ -487,16 +487,19 @@ impl ChatModel {
         self.close(turn, opened, generation, spec, reply, method)
     }
 
-    /// Whether [`TurnBatch`] takes `turn`: plain decoding, or drafts by prompt lookup where
-    /// the model's state resolves a round per row (a draft or assistant model verifies one
-    /// sequence's drafts). Every storage batches ([`crate::cache::Cache::empty_rows`]).
+    /// Whether [`TurnBatch`] takes `turn`: plain decoding, or drafts by prompt lookup or a
+    /// draft model where the model's state resolves a round per row (an assistant reads the
+    /// target's own keys and hidden state, which a batch keeps in rows: it drafts for one
+    /// reply at a time). Every storage batches ([`crate::cache::Cache::empty_rows`]).
     pub fn batches(&self, turn: &Turn) -> bool {
         match turn.speculation {
             Speculation::Off => true,
-            Speculation::Lookup => self.model().fresh_caches().is_ok_and(|caches| {
-                caches.iter().all(|c| c.empty_rows(crate::cache::Rounds::PerRow).is_some())
-            }),
-            Speculation::Draft { .. } | Speculation::Assistant { .. } => false,
+            Speculation::Lookup | Speculation::Draft { .. } => {
+                self.model().fresh_caches().is_ok_and(|caches| {
+                    caches.iter().all(|c| c.empty_rows(crate::cache::Rounds::PerRow).is_some())
+                })
+            }
+            Speculation::Assistant { .. } => false,
         }
     }
 

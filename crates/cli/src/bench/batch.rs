@@ -8,8 +8,9 @@
 //! token of the last stream to join until the last stream ends), and the p50/p99 time of one
 //! decode step (what each stream waits per token). Medians over `--repeats` runs after a
 //! warm-up at the largest count. With `--compare`, whether the greedy tokens of every stream
-//! equal mlx-lm's. With `--lookup` every stream drafts by prompt lookup and the streams verify
-//! their drafts together (`Batch::verifying`), with the share of drafts kept; mlx-lm's
+//! equal mlx-lm's. With `--lookup` every stream drafts by prompt lookup, with `--draft DIR` by
+//! a draft model (each stream on caches of its own, the weights shared), and the streams
+//! verify their drafts together (`Batch::verifying`), with the share of drafts kept; mlx-lm's
 //! `BatchGenerator` does not speculate, so beside it the same tokens must come faster.
 
 use std::time::Instant;
@@ -18,7 +19,9 @@ use anyhow::{Context, bail};
 use engine::batch::{Batch, BatchEvent};
 use engine::generate::GenerateRequest;
 use engine::models::Model;
-use engine::speculative::DraftLength;
+use engine::speculative::draft_model::DraftModel;
+use engine::speculative::lookup::PromptLookup;
+use engine::speculative::{DraftLength, DraftMethod};
 use serde_json::{Value, json};
 
 use crate::options::LoadArgs;
@@ -51,8 +54,12 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     /// Every stream drafts by prompt lookup; the streams verify their drafts together.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "draft")]
     lookup: bool,
+    /// Every stream drafts with the draft model in this directory (same tokenizer); the
+    /// streams verify their drafts together.
+    #[arg(long)]
+    draft: Option<std::path::PathBuf>,
     #[command(flatten)]
     load: LoadArgs,
 }
@@ -69,13 +76,22 @@ struct Run {
     decode_tok_s: f64,
     step_ms: Vec<f64>,
     tokens: Vec<Vec<u32>>,
-    /// Drafts proposed and kept (`--lookup`).
+    /// Drafts proposed and kept (`--lookup`, `--draft`).
     drafts: (usize, usize),
 }
 
-fn run_once(model: &dyn Model, args: &Args, streams: usize) -> anyhow::Result<Run> {
+/// `drafter`: what every stream drafts with (each a fork of it), or `None` to decode plainly.
+fn run_once(
+    model: &dyn Model,
+    drafter: Option<&dyn DraftMethod>,
+    args: &Args,
+    streams: usize,
+) -> anyhow::Result<Run> {
     let vocab = model.vocab_size() as u32;
-    let mut batch = if args.lookup { Batch::verifying(model) } else { Batch::new(model) };
+    let mut batch = match drafter {
+        Some(_) => Batch::verifying(model),
+        None => Batch::new(model),
+    };
     let mut tokens = vec![Vec::new(); streams];
     let mut drafts = (0, 0);
     let mut record = |events: Vec<BatchEvent>, tokens: &mut Vec<Vec<u32>>| {
@@ -95,9 +111,12 @@ fn run_once(model: &dyn Model, args: &Args, streams: usize) -> anyhow::Result<Ru
         let request =
             GenerateRequest::new(stream_prompt(args.prompt_tokens, vocab, s), args.gen_tokens);
         let (id, caches) = (s as u64, model.fresh_caches()?);
-        let events = match args.lookup {
-            true => batch.join_drafting(id, caches, &request, &[], DraftLength::default())?,
-            false => batch.join(id, caches, &request)?,
+        let events = match drafter {
+            Some(drafter) => {
+                let fork = drafter.fork().context("a drafter that drafts for one stream")?;
+                batch.join_drafting(id, caches, &request, &[], fork, DraftLength::default())?
+            }
+            None => batch.join(id, caches, &request)?,
         };
         record(events, &mut tokens);
     }
@@ -132,8 +151,18 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         bail!("--streams takes positive counts, e.g. 1,2,4,8");
     }
     let model = engine::registry::load_model(&args.model, &args.load.options())?;
+    let drafter: Option<Box<dyn DraftMethod>> = match &args.draft {
+        Some(dir) => {
+            DraftModel::check_same_tokenizer(&args.model, dir)?;
+            let loaded = engine::registry::load_model(dir, &args.load.options())?;
+            Some(Box::new(DraftModel::new(loaded)))
+        }
+        None if args.lookup => Some(Box::new(PromptLookup::default())),
+        None => None,
+    };
+    let drafter = drafter.as_deref();
     let most = args.streams.iter().copied().max().unwrap_or(1);
-    run_once(model.as_ref(), args, most)?; // warm-up: builds the kernels of every shape
+    run_once(model.as_ref(), drafter, args, most)?; // warm-up: builds the kernels of every shape
     let mut rows = Vec::new();
     for &streams in &args.streams {
         let mut rates = Vec::new();
@@ -141,7 +170,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let mut tokens = Vec::new();
         let mut drafts = (0, 0);
         for _ in 0..args.repeats {
-            let run = run_once(model.as_ref(), args, streams)?;
+            let run = run_once(model.as_ref(), drafter, args, streams)?;
             rates.push(run.decode_tok_s);
             steps.extend(run.step_ms);
             tokens = run.tokens;
@@ -154,7 +183,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             "step_ms_p99": percentile(&mut steps, 0.99),
             "tokens": tokens,
         });
-        if args.lookup {
+        if drafter.is_some() {
             row["drafts_proposed"] = json!(drafts.0 / args.repeats);
             row["drafts_accepted"] = json!(drafts.1 / args.repeats);
         }

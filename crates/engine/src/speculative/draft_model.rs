@@ -2,6 +2,7 @@
 //! decoding on its own caches, which roll back with the target's acceptance.
 
 use std::path::Path;
+use std::rc::Rc;
 
 use mlx::Array;
 
@@ -16,10 +17,11 @@ pub const SCHEMA: &str = "quince-draft-kv/1";
 
 /// A draft model and its caches, kept between generations: a new generation computes only
 /// the conversation tokens the caches do not already hold (from the last generation, or from
-/// the attachment of the checkpoint it resumes from).
+/// the attachment of the checkpoint it resumes from). Its forks ([`DraftMethod::fork`]) share
+/// its weights, each with caches of its own.
 #[derive(Debug)]
 pub struct DraftModel {
-    model: Box<dyn Model>,
+    model: Rc<dyn Model>,
     /// What its attachments are keyed by (SHA-256 of its `config.json`); empty: never saved.
     identity: String,
     caches: Vec<Box<dyn Cache>>,
@@ -35,7 +37,7 @@ impl DraftModel {
     /// Wraps a loaded model (its state is never kept with checkpoints: it has no identity).
     pub fn new(model: Box<dyn Model>) -> DraftModel {
         DraftModel {
-            model,
+            model: Rc::from(model),
             identity: String::new(),
             caches: Vec::new(),
             held: Vec::new(),
@@ -224,6 +226,17 @@ impl DraftMethod for DraftModel {
         self.held.extend_from_slice(&pending);
         self.held.extend_from_slice(&drafted[..drafts_kept]);
         Ok(())
+    }
+
+    fn fork(&self) -> Option<Box<dyn DraftMethod>> {
+        Some(Box::new(DraftModel {
+            model: Rc::clone(&self.model),
+            identity: self.identity.clone(),
+            caches: Vec::new(),
+            held: Vec::new(),
+            round: None,
+            prefill_step: self.prefill_step,
+        }))
     }
 
     fn checkpoint(&mut self, tokens: &[u32]) -> Result<Option<Attachment>> {

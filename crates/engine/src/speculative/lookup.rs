@@ -71,6 +71,10 @@ impl DraftMethod for PromptLookup {
     fn settle(&mut self, _target: Target<'_>, _accepted: usize) -> Result<()> {
         Ok(())
     }
+
+    fn fork(&self) -> Option<Box<dyn DraftMethod>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 #[cfg(test)]

@@ -11,13 +11,13 @@
 
 use std::collections::HashMap;
 
-use super::{ChatModel, Opened, ReplyText, Turn, TurnEvent, TurnOutcome};
+use super::{ChatModel, Drafters, Opened, ReplyText, Turn, TurnEvent, TurnOutcome};
 use crate::batch::{Batch, BatchEvent, Finished, RowId};
 use crate::cache::KvOptions;
 use crate::error::{Error, Result};
 use crate::generate::Flow;
 use crate::memory::{Beside, Fit};
-use crate::speculative::Speculation;
+use crate::speculative::{DraftMethod, Speculation};
 
 /// The callback a turn streams its events to; [`Flow::Stop`] ends the turn after that token.
 type OnEvent<'c> = Box<dyn FnMut(TurnEvent) -> Flow + 'c>;
@@ -81,9 +81,9 @@ impl<'c> TurnBatch<'c> {
     /// Whether `turn` can join now: it decodes in batches ([`ChatModel::batches`]) and keeps
     /// its keys and values as the turns in the batch do. A turn of another KV storage waits
     /// for the batch to empty (its rows could not share the batch's layers), and so does a
-    /// turn that drafts by prompt lookup when the batch's first turn did not (its rows share
-    /// buffers that resolve no rounds). A plain turn joins a batch that verifies, drafting
-    /// nothing.
+    /// turn that drafts (by prompt lookup or a draft model) when the batch's first turn did
+    /// not (its rows share buffers that resolve no rounds). A plain turn joins a batch that
+    /// verifies, drafting nothing; turns of one batch may draft with different methods.
     pub fn takes(&self, turn: &Turn) -> bool {
         let drafts = turn.speculation != Speculation::Off;
         self.chat.batches(turn)
@@ -91,28 +91,32 @@ impl<'c> TurnBatch<'c> {
     }
 
     /// Opens `turn`, prefills it alone and streams its first token to `on_event`; the turn then
-    /// decodes with the others at each [`TurnBatch::step`]. A turn whose KV cache fits only
-    /// once other turns end is not opened ([`Joined::Waits`]). A turn the batch does not take
-    /// ([`ChatModel::batches`]) or that fails to open (an unreadable image, a prompt over the
-    /// context, a KV cache over the memory limit even alone) is refused, and the other turns
+    /// decodes with the others at each [`TurnBatch::step`]. A turn that drafts gets its own
+    /// fork of the drafter `drafters` keeps loaded (a draft model's weights are shared, its
+    /// caches are the turn's, restored from the turn's checkpoint as [`ChatModel::answer`]
+    /// restores them). A turn whose KV cache fits only once other turns end is not opened
+    /// ([`Joined::Waits`]). A turn the batch does not take ([`ChatModel::batches`]) or that
+    /// fails to open (an unreadable image, a prompt over the context, a KV cache over the
+    /// memory limit even alone, a drafter that does not load) is refused, and the other turns
     /// are unaffected.
     pub fn join(
         &mut self,
         id: RowId,
         turn: &Turn,
+        drafters: &mut Drafters,
         on_event: impl FnMut(TurnEvent) -> Flow + 'c,
     ) -> Result<Joined> {
         if !self.takes(turn) {
             return Err(Error::InvalidRequest(
-                "this turn cannot join the batch (a draft or assistant model, drafts in a batch \
-                 that does not verify, or another KV storage than the batch's)"
+                "this turn cannot join the batch (an assistant model, drafts in a batch that \
+                 does not verify, or another KV storage than the batch's)"
                     .into(),
             ));
         }
         if self.rows.contains_key(&id) {
             return Err(Error::InvalidRequest(format!("turn {id} is already in the batch")));
         }
-        let drafts = turn.speculation == Speculation::Lookup;
+        let drafts = turn.speculation != Speculation::Off;
         if self.is_empty() && drafts != self.batch.verifies() {
             // The first turn decides whether rows verify drafts.
             self.batch = match drafts {
@@ -124,7 +128,12 @@ impl<'c> TurnBatch<'c> {
         if let Fit::AfterOthers { needed, available } = admitted.fit {
             return Ok(Joined::Waits { needed, available });
         }
+        let mut method = drafters.fork(self.chat, &turn.speculation)?;
         let mut opened = self.chat.open(turn, admitted)?;
+        if let (Some(m), Some((_, contents))) = (method.as_deref_mut(), &opened.resumed) {
+            // The method's own state kept with the checkpoint (a draft model's caches).
+            m.resume(&contents.attachments, &contents.tokens)?;
+        }
         let caches = std::mem::take(&mut opened.caches);
         let reply = ReplyText::new(self.chat, turn, opened.started);
         let row = Row { turn: turn.clone(), opened, reply, on_event: Box::new(on_event) };
@@ -132,9 +141,11 @@ impl<'c> TurnBatch<'c> {
         // The tokens the caches held before the prompt (a restored checkpoint's).
         let earlier = row.opened.prompt[..row.opened.prompt.len() - request.prompt.len()].to_vec();
         self.rows.insert(id, row);
-        let joined = match drafts {
-            true => self.batch.join_drafting(id, caches, &request, &earlier, turn.draft_length),
-            false => self.batch.join(id, caches, &request),
+        let joined = match method {
+            Some(method) => {
+                self.batch.join_drafting(id, caches, &request, &earlier, method, turn.draft_length)
+            }
+            None => self.batch.join(id, caches, &request),
         };
         let events = match joined {
             Ok(events) => events,
@@ -210,13 +221,13 @@ impl<'c> TurnBatch<'c> {
     }
 
     fn close(&mut self, finished: Finished) -> Result<TurnOutcome> {
-        let Finished { id, generation, caches, spec } = finished;
+        let Finished { id, generation, caches, spec, mut drafter } = finished;
         let mut row = self
             .rows
             .remove(&id)
             .ok_or_else(|| Error::InvalidRequest(format!("no turn {id} in the batch")))?;
         row.opened.caches = caches;
-        // Prompt lookup keeps no state of its own to checkpoint.
-        self.chat.close(&row.turn, row.opened, generation, spec, row.reply, None)
+        let method = drafter.as_deref_mut().map(|m| m as &mut dyn DraftMethod);
+        self.chat.close(&row.turn, row.opened, generation, spec, row.reply, method)
     }
 }

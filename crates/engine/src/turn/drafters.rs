@@ -55,6 +55,27 @@ impl Drafters {
         Ok(Some(method.as_mut()))
     }
 
+    /// The method `speculation` asks for, for a turn of a batch: a fork of the drafter kept
+    /// loaded ([`DraftMethod::fork`]: the same weights, state of its own), bound to `target`.
+    /// `None` for plain decoding; refused for a drafter that drafts for one conversation at a
+    /// time.
+    pub(super) fn fork(
+        &mut self,
+        target: &ChatModel,
+        speculation: &Speculation,
+    ) -> Result<Option<Box<dyn DraftMethod>>> {
+        let Some(method) = self.method(target, speculation)? else {
+            return Ok(None);
+        };
+        match method.fork() {
+            Some(fork) => Ok(Some(fork)),
+            None => Err(Error::InvalidRequest(format!(
+                "the {} drafts for one reply at a time: its replies do not join a batch",
+                method.name()
+            ))),
+        }
+    }
+
     fn load(&self, target: &ChatModel, speculation: &Speculation) -> Result<Box<dyn DraftMethod>> {
         Ok(match speculation {
             Speculation::Off | Speculation::Lookup => Box::new(PromptLookup::default()),

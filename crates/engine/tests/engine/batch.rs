@@ -11,6 +11,8 @@ use engine::cache::Cache;
 use engine::generate::{Flow, GenerateRequest, generate};
 use engine::models::Model;
 use engine::sampling::SamplingParams;
+use engine::speculative::DraftMethod;
+use engine::speculative::lookup::PromptLookup;
 use mlx::Array;
 
 use super::gemma4::golden_at;
@@ -231,8 +233,8 @@ fn a_cancelled_row_leaves_at_once_and_bad_joins_change_nothing() {
 
 /// The trained demo the app ships (`make demo-model` unpacks it into target/demo-model): it
 /// goes on with a pattern its prompt repeats, so its rows accept drafts.
-fn trained_demo() -> Box<dyn Model> {
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/demo-model");
+fn trained_demo(name: &str) -> Box<dyn Model> {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target").join(name);
     assert!(dir.join("model.safetensors").exists(), "run `make demo-model` first");
     engine::registry::load_model(dir, &engine::LoadOptions::default()).unwrap()
 }
@@ -243,18 +245,29 @@ fn repeating_prompt() -> Vec<u32> {
     (0..5).flat_map(|i| phrase.iter().map(move |&t| t + i % 2)).collect()
 }
 
-/// Rows that draft by prompt lookup verify their drafts together in a batch that verifies: one
-/// window pass a step, each row keeping what its own picks confirm. Greedy and sampled at fixed
-/// seeds, joining at different steps beside a row that does not draft, each row generates what
-/// it generates alone by plain decoding, and its caches hold its prompt and every token but
-/// the last, as plain decoding leaves them.
+/// Rows that draft (two by prompt lookup, one with a draft model on caches of its own) verify
+/// their drafts together in a batch that verifies: one window pass a step, each row keeping
+/// what its own picks confirm. Greedy and sampled at fixed seeds, joining at different steps
+/// beside a row that does not draft, each row generates what it generates alone by plain
+/// decoding, and its caches hold its prompt and every token but the last, as plain decoding
+/// leaves them.
 #[test]
-fn lookup_rows_verify_together_and_equal_each_request_alone() {
+fn drafting_rows_verify_together_and_equal_each_request_alone() {
     use engine::speculative::DraftLength;
-    for name in ["demo", "gemma4/dense", "gemma4/moe", "gemma3/text", "qwen3_5/dense"] {
-        let model = match name {
-            "demo" => trained_demo(),
-            name => load(name),
+    use engine::speculative::draft_model::DraftModel;
+    // Each target with its draft model: a quantized copy of itself (many drafts are kept),
+    // or for the demo the small model trained beside it.
+    for (name, drafter) in [
+        ("demo", "demo-drafter"),
+        ("gemma4/dense", "gemma4/dense_q4"),
+        ("gemma4/moe", "gemma4/moe_q4"),
+        ("gemma3/text", "gemma3/text_q4"),
+        // The tiny Qwen3.5's 4-bit copy guesses nothing of it: itself, then.
+        ("qwen3_5/dense", "qwen3_5/dense"),
+    ] {
+        let (model, drafter) = match name {
+            "demo" => (trained_demo("demo-model"), DraftModel::new(trained_demo(drafter))),
+            name => (load(name), DraftModel::new(load(drafter))),
         };
         // The demo's vocabulary makes each of its positions costly on the CPU: greedy only.
         let samplings: &[bool] = if name == "demo" { &[false] } else { &[false, true] };
@@ -284,16 +297,16 @@ fn lookup_rows_verify_together_and_equal_each_request_alone() {
                         continue;
                     }
                     let caches = model.fresh_caches().unwrap();
-                    // Row 2 decodes plainly among the rows that draft.
+                    // Row 1 drafts with the draft model, row 2 decodes plainly, the others
+                    // draft by prompt lookup.
+                    let method: Box<dyn DraftMethod> = match i {
+                        1 => drafter.fork().unwrap(),
+                        _ => Box::new(PromptLookup::default()),
+                    };
+                    let (id, length) = (i as RowId, DraftLength::default());
                     let events = match i {
-                        2 => batch.join(i as RowId, caches, request),
-                        _ => batch.join_drafting(
-                            i as RowId,
-                            caches,
-                            request,
-                            &[],
-                            DraftLength::default(),
-                        ),
+                        2 => batch.join(id, caches, request),
+                        _ => batch.join_drafting(id, caches, request, &[], method, length),
                     };
                     record(events.unwrap());
                 }
@@ -303,6 +316,7 @@ fn lookup_rows_verify_together_and_equal_each_request_alone() {
                 record(batch.step().unwrap());
             }
             let (mut proposed, mut accepted) = (0, 0);
+            let mut drafted = None;
             for (i, request) in requests.iter().enumerate() {
                 let (want, _) = alone(model.as_ref(), request);
                 let f = &finished[&(i as RowId)];
@@ -314,6 +328,13 @@ fn lookup_rows_verify_together_and_equal_each_request_alone() {
                 }
                 match (i, &f.spec) {
                     (2, spec) => assert!(spec.is_none(), "the plain row drafted nothing"),
+                    (1, Some(spec)) => {
+                        assert_eq!(spec.method, "draft");
+                        assert_eq!(spec.context_computed, request.prompt.len(), "{what}");
+                        let method = f.drafter.as_ref().map(|d| d.name());
+                        assert_eq!(method, Some("draft"), "{what}: the row's draft model left");
+                        drafted = Some(spec.clone());
+                    }
                     (_, Some(spec)) => {
                         proposed += spec.proposed;
                         accepted += spec.accepted;
@@ -322,6 +343,12 @@ fn lookup_rows_verify_together_and_equal_each_request_alone() {
                 }
             }
             assert!(proposed > 0, "{what}: drafts were verified");
+            // A draft model always proposes; greedy, a quantized copy of the target (or the
+            // demo's drafter) guesses much of it (the random checkpoints sample almost
+            // uniformly, which no greedy drafter guesses).
+            let drafted = drafted.unwrap();
+            assert!(drafted.proposed > 0, "{what}: {drafted:?}");
+            assert!(sampled || drafted.accepted > 0, "{what}: {drafted:?}");
             // The random checkpoints rarely repeat themselves; the trained demo does.
             if name == "demo" {
                 assert!(accepted > 0, "{what}: drafts were kept");
@@ -330,8 +357,9 @@ fn lookup_rows_verify_together_and_equal_each_request_alone() {
     }
 }
 
-/// A batch that decodes plainly takes no row that drafts, and a model whose state takes no
-/// rounds per row (Qwen3.5's rope shifts, on its checkpoint with a vision tower) refuses a
+/// A batch that decodes plainly takes no row that drafts, a batch that verifies takes no
+/// assistant (it reads the target's own state), and a model whose state takes no rounds per
+/// row (Qwen3.5's rope shifts, on its checkpoint with a vision tower) refuses a
 /// batch that verifies, before any prefill.
 #[test]
 fn rows_that_draft_join_only_a_batch_that_verifies() {
@@ -340,9 +368,21 @@ fn rows_that_draft_join_only_a_batch_that_verifies() {
     let request = GenerateRequest::new(repeating_prompt(), 8);
     let mut plain = Batch::new(model.as_ref());
     let caches = model.fresh_caches().unwrap();
-    let err = plain.join_drafting(0, caches, &request, &[], DraftLength::default()).unwrap_err();
+    let lookup = Box::new(PromptLookup::default());
+    let err = plain.join_drafting(0, caches, &request, &[], lookup, DraftLength::default());
+    let err = err.unwrap_err();
     assert!(err.to_string().contains("verifies"), "{err}");
     assert!(plain.is_empty());
+    // An assistant reads the target's own keys and hidden state: it drafts alone.
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/golden/assistant/assistant");
+    let assistant = engine::registry::load_drafter(&dir, &engine::LoadOptions::default()).unwrap();
+    let mut verifying = Batch::verifying(model.as_ref());
+    let caches = model.fresh_caches().unwrap();
+    let length = DraftLength::default();
+    let err = verifying.join_drafting(0, caches, &request, &[], assistant, length).unwrap_err();
+    assert!(err.to_string().contains("one at a time"), "{err}");
+    assert!(verifying.is_empty());
     let model = load("qwen3_5/vision");
     let mut verifying = Batch::verifying(model.as_ref());
     let caches = model.fresh_caches().unwrap();

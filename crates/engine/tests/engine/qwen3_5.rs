@@ -211,7 +211,9 @@ fn turns_resume_from_checkpoints_after_a_restart_as_cold_runs() {
 
 /// Turns answered together in one [`TurnBatch`], each writing a checkpoint (its recurrent state
 /// kept at the prompt's boundary while it decodes among the others), give what each gives
-/// alone: the same tokens and checkpoint files with the same bytes.
+/// alone: the same tokens and checkpoint files with the same bytes. The first drafts with a
+/// draft model (so the batch verifies, and the plain turns join it drafting nothing): its
+/// checkpoint keeps the draft model's caches, as its reply alone keeps them.
 #[test]
 fn turns_answered_together_equal_each_alone_with_their_checkpoints() {
     let chat = ChatModel::load(&golden_dir("dense"), &engine::LoadOptions::default()).unwrap();
@@ -219,6 +221,10 @@ fn turns_answered_together_equal_each_alone_with_their_checkpoints() {
     let turn = |i: u32, len: u32, max_tokens: usize, name: &str| Turn {
         max_tokens,
         checkpoint_to: Some(tmp.path().join(name)),
+        speculation: match i {
+            0 => Speculation::Draft { model: golden_dir("dense_q4") },
+            _ => Speculation::Off,
+        },
         ..Turn::new(Prompt::Tokens {
             ids: (0..len).map(|j| (j * 37 + i * 11) % 400 + 3).collect(),
             images: Vec::new(),
@@ -238,7 +244,7 @@ fn turns_answered_together_equal_each_alone_with_their_checkpoints() {
     let mut together = std::collections::BTreeMap::new();
     for (i, &(len, max)) in shapes.iter().enumerate() {
         let t = turn(i as u32, len, max, &format!("together{i}.safetensors"));
-        match batch.join(i as u64, &t, |_| Flow::Continue).unwrap() {
+        match batch.join(i as u64, &t, &mut drafters, |_| Flow::Continue).unwrap() {
             Joined::Decoding => {}
             Joined::Ended(outcome) => {
                 together.insert(i as u64, *outcome);
@@ -257,6 +263,9 @@ fn turns_answered_together_equal_each_alone_with_their_checkpoints() {
     for (i, want) in alone.iter().enumerate() {
         let got = &together[&(i as u64)];
         assert_eq!(got.tokens, want.tokens, "turn {i}");
+        assert_eq!(got.stats.spec, want.stats.spec, "turn {i}: the draft counts");
+        let attached = got.checkpoint.as_ref().unwrap().file.attachments.len();
+        assert_eq!(attached, usize::from(i == 0), "turn {i}: the draft model's caches");
         let (a, b) = (got.checkpoint.as_ref().unwrap(), want.checkpoint.as_ref().unwrap());
         assert_eq!(a.tokens, b.tokens, "turn {i}: the checkpoint's boundary");
         assert!(a.file.signature.contains("gated_delta("), "{}", a.file.signature);
