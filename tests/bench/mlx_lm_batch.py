@@ -4,11 +4,14 @@ times itself.
 
 Per stream count: every stream inserted at once, greedy, --gen-tokens each. decode_tok_s is
 the tokens after each stream's first over the time from the first generated token until the
-last stream ends; step_ms_p50/p99 are the times of the generation steps after that. Medians
+last stream ends; step_ms_p50/p99 are the times of the generation steps after that;
+first_tokens_ms is the time from the insert until every stream has its first token (the
+generator prefills the streams inserted together as one padded batch). Medians
 over --repeats runs after a warm-up at the largest count. Keep the prompt formula in step with
 crates/cli/src/bench/batch.rs (`stream_prompt`).
 
-Prints one JSON line: {"rows": [{streams, decode_tok_s, step_ms_p50, step_ms_p99, tokens}]}.
+Prints one JSON line:
+{"rows": [{streams, decode_tok_s, step_ms_p50, step_ms_p99, first_tokens_ms, tokens}]}.
 """
 
 import argparse
@@ -43,6 +46,7 @@ def run_once(model, vocab: int, streams: int, prompt_tokens: int, gen: int):
         prefill_step_size=512,
     )
     prompts = [stream_prompt(prompt_tokens, vocab, s) for s in range(streams)]
+    inserted = time.perf_counter()
     uids = generator.insert(prompts, [gen] * streams)
     tokens = {uid: [] for uid in uids}
     first = None
@@ -63,7 +67,8 @@ def run_once(model, vocab: int, streams: int, prompt_tokens: int, gen: int):
     generator.close()
     decoded = sum(max(len(t) - 1, 0) for t in tokens.values())
     rate = decoded / (last - first) if last and first and last > first else 0.0
-    return rate, steps, [tokens[u] for u in uids]
+    first_tokens_ms = ((first or inserted) - inserted) * 1e3
+    return rate, steps, first_tokens_ms, [tokens[u] for u in uids]
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -87,12 +92,13 @@ def main():
     run_once(model, vocab, max(counts), args.prompt_tokens, args.gen_tokens)  # warm-up
     rows = []
     for streams in counts:
-        rates, steps, tokens = [], [], []
+        rates, steps, firsts, tokens = [], [], [], []
         for _ in range(args.repeats):
-            rate, run_steps, tokens = run_once(
+            rate, run_steps, first_ms, tokens = run_once(
                 model, vocab, streams, args.prompt_tokens, args.gen_tokens
             )
             rates.append(rate)
+            firsts.append(first_ms)
             steps.extend(run_steps)
         rows.append(
             {
@@ -100,6 +106,7 @@ def main():
                 "decode_tok_s": statistics.median(rates),
                 "step_ms_p50": percentile(steps, 0.5),
                 "step_ms_p99": percentile(steps, 0.99),
+                "first_tokens_ms": statistics.median(firsts),
                 "tokens": tokens,
             }
         )

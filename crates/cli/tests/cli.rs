@@ -210,19 +210,21 @@ fn compiled_and_uncompiled_decode_give_the_same_tokens() {
 /// `bench-batch --compare`: streams decoding together through Quince's batch and through
 /// mlx-lm's BatchGenerator (in the project's Python environment) give the same greedy tokens,
 /// every stream at every count, and both report their figures; with `--lookup` or `--draft`
-/// (streams that draft and verify together) the tokens are still mlx-lm's plain ones.
+/// (streams that draft and verify together) the tokens are still mlx-lm's plain ones, and so
+/// they are with `--together` (the streams prefill as one padded cohort).
 #[test]
 fn bench_batch_tokens_equal_mlx_lm_batch_generators() {
     // Gemma 4, and Qwen3.5 (gated DeltaNet rows in one recurrence beside attention rows).
     let qwen = root().join("tests/golden/qwen3_5/dense");
     let q8 = root().join("tests/golden/gemma4/dense_q8");
     let draft = ["--draft", q8.to_str().unwrap()];
-    let runs: [(PathBuf, &[&str]); 5] = [
+    let runs: [(PathBuf, &[&str]); 6] = [
         (dense(), &[]),
         (qwen.clone(), &[]),
         (dense(), &["--lookup"]),
         (qwen, &["--lookup"]),
         (dense(), &draft),
+        (dense(), &["--together"]),
     ];
     for (model, drafting) in runs {
         let out = quince()
@@ -243,9 +245,12 @@ fn bench_batch_tokens_equal_mlx_lm_batch_generators() {
             assert_eq!(streams, [1, 3]);
             let rates = rows.iter().map(|r| r["decode_tok_s"].as_f64().unwrap());
             assert!(rates.clone().all(|r| r > 0.0), "{side}: {stdout}");
+            let firsts = rows.iter().map(|r| r["first_tokens_ms"].as_f64().unwrap());
+            assert!(firsts.clone().all(|ms| ms > 0.0), "{side}: {stdout}");
         }
         let drafts = json["quince"][1]["drafts_proposed"].as_u64();
-        assert_eq!(drafts.is_some(), !drafting.is_empty(), "draft counts: {stdout}");
+        let drafts_expected = drafting.first().is_some_and(|&a| a != "--together");
+        assert_eq!(drafts.is_some(), drafts_expected, "draft counts: {stdout}");
         if drafting.first() == Some(&"--draft") {
             assert!(drafts.unwrap() > 0, "a draft model always proposes: {stdout}");
         }

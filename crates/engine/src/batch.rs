@@ -27,10 +27,10 @@ use std::time::Instant;
 
 use mlx::Array;
 
-use crate::cache::{BatchRows, Cache, Rounds, stack_max_append};
+use crate::cache::{BatchRows, Cache, Cohort, Rounds, stack_max_append};
 use crate::error::{Error, Result};
 use crate::generate::{GenerateRequest, Generation, GenerationStats, StopReason};
-use crate::models::{Model, Phase};
+use crate::models::{Model, Phase, Rows};
 use crate::sampling::Sampler;
 use crate::speculative::{DraftLength, DraftMethod, Pace, SpecStats, Target};
 
@@ -90,6 +90,8 @@ struct Row {
     history: Vec<u32>,
     tokens: Vec<u32>,
     stats: GenerationStats,
+    /// When its prefill began.
+    started: Instant,
     /// When its first token came.
     first_at: Instant,
     /// The next token, sampled (lazily) by a pass that appended the last emitted one; `None`
@@ -110,6 +112,12 @@ impl Row {
 
     /// Records `token`; the reason when the row ends with it.
     fn emit(&mut self, token: u32) -> Option<StopReason> {
+        if self.tokens.is_empty() {
+            self.first_at = Instant::now();
+            let secs = (self.first_at - self.started).as_secs_f64();
+            self.stats.ttft_ms = secs * 1e3;
+            self.stats.prefill_tok_s = self.stats.prompt_tokens as f64 / secs;
+        }
         self.tokens.push(token);
         self.history.push(token);
         if let Some(drafting) = &mut self.drafting {
@@ -165,6 +173,16 @@ impl Row {
         drafts.truncate(most);
         Ok(drafts)
     }
+}
+
+/// A request of a padded prefill cohort ([`Batch::join_together`]), checked.
+struct Arrival {
+    /// Its place among the requests that arrived together.
+    index: usize,
+    id: RowId,
+    caches: Vec<Box<dyn Cache>>,
+    request: GenerateRequest,
+    sampler: Sampler,
 }
 
 /// Rows decoding together. See the module docs.
@@ -302,27 +320,7 @@ impl<'m> Batch<'m> {
             0 => None,
             _ => Some(sampler.sample(&logits, &request.prompt)?.item::<u32>()?),
         };
-        let elapsed = start.elapsed().as_secs_f64();
-        let mut row = Row {
-            id,
-            sampler,
-            stop_tokens: request.stop_tokens.clone(),
-            max_tokens: request.max_tokens,
-            history: request.prompt.clone(),
-            tokens: Vec::new(),
-            stats: GenerationStats {
-                prompt_tokens: request.prompt.len(),
-                ttft_ms: elapsed * 1e3,
-                prefill_tok_s: request.prompt.len() as f64 / elapsed,
-                ..GenerationStats::default()
-            },
-            first_at: Instant::now(),
-            ahead: None,
-            pipelined: self.rounds == Rounds::No
-                && request.sampling.repetition_penalty == 1.0
-                && request.sampling.presence_penalty == 0.0,
-            drafting,
-        };
+        let mut row = self.row(id, sampler, request, start, drafting);
         let Some(token) = first else {
             return Ok(vec![BatchEvent::Finished(row.finish(StopReason::MaxTokens, caches)?)]);
         };
@@ -331,6 +329,42 @@ impl<'m> Batch<'m> {
             events.push(BatchEvent::Finished(row.finish(reason, caches)?));
             return Ok(events);
         }
+        self.enter(row, caches)?;
+        Ok(events)
+    }
+
+    /// A row for `request`, whose prefill began at `started`.
+    fn row(
+        &self,
+        id: RowId,
+        sampler: Sampler,
+        request: &GenerateRequest,
+        started: Instant,
+        drafting: Option<Drafting>,
+    ) -> Row {
+        Row {
+            id,
+            sampler,
+            stop_tokens: request.stop_tokens.clone(),
+            max_tokens: request.max_tokens,
+            history: request.prompt.clone(),
+            tokens: Vec::new(),
+            stats: GenerationStats {
+                prompt_tokens: request.prompt.len(),
+                ..GenerationStats::default()
+            },
+            started,
+            first_at: started,
+            ahead: None,
+            pipelined: self.rounds == Rounds::No
+                && request.sampling.repetition_penalty == 1.0
+                && request.sampling.presence_penalty == 0.0,
+            drafting,
+        }
+    }
+
+    /// `row` decodes with the others from the next step, its caches merged into the layers.
+    fn enter(&mut self, row: Row, caches: Vec<Box<dyn Cache>>) -> Result<()> {
         if self.layers.is_empty() {
             self.layers = caches
                 .iter()
@@ -341,7 +375,100 @@ impl<'m> Batch<'m> {
             rows_of(layer.as_mut())?.merge_row(cache)?;
         }
         self.rows.push(row);
-        Ok(events)
+        Ok(())
+    }
+
+    /// Joins requests that arrive together, each `(id, caches, request)` as [`Batch::join`]
+    /// takes it, and returns each one's result in order. Those that start fresh (empty
+    /// caches), without images, with a prompt whose every token but the last fits one prefill
+    /// chunk, prefill as one padded cohort ([`Cohort`]): one batched window over their prompts
+    /// but the last token, padded on the right, after which each row holds what its own
+    /// prefill holds there; their last prompt tokens are then appended by the next
+    /// [`Batch::step`] with the other rows', which samples their first tokens (reported by
+    /// the steps, as every other token). A model whose state does not pad (a recurrence), and
+    /// every other request, join one by one as [`Batch::join`] joins them. A request refused
+    /// is refused alone; the others join.
+    pub fn join_together(
+        &mut self,
+        requests: Vec<(RowId, Vec<Box<dyn Cache>>, GenerateRequest)>,
+    ) -> Vec<Result<Vec<BatchEvent>>> {
+        let pads = self.model.fresh_caches().is_ok_and(|fresh| Cohort::prepare(fresh).is_ok());
+        let fits = |caches: &[Box<dyn Cache>], r: &GenerateRequest| {
+            let room = stack_max_append(caches).unwrap_or(usize::MAX);
+            pads && r.images.is_empty()
+                && r.max_tokens > 0
+                && caches.iter().all(|c| c.offset() == 0)
+                && r.prompt.len().saturating_sub(1) <= r.prefill_step.max(1).min(room)
+        };
+        let together = requests.iter().filter(|(_, c, r)| fits(c, r)).count();
+        let mut results: Vec<Result<Vec<BatchEvent>>> = Vec::with_capacity(requests.len());
+        let mut cohort: Vec<Arrival> = Vec::new();
+        for (index, (id, caches, request)) in requests.into_iter().enumerate() {
+            results.push(Ok(Vec::new()));
+            if together < 2 || !fits(&caches, &request) {
+                results[index] = self.join(id, caches, &request);
+                continue;
+            }
+            let checked = self
+                .check_joins(id, &caches)
+                .and_then(|()| {
+                    let prompt = &request.prompt;
+                    crate::generate::check_prompt(self.model, 0, prompt, request.max_tokens)
+                })
+                .and_then(|()| Sampler::new(request.sampling.clone()));
+            match checked {
+                Ok(_) if cohort.iter().any(|a| a.id == id) => {
+                    results[index] =
+                        Err(Error::InvalidRequest(format!("row {id} joins twice at once")));
+                }
+                Ok(sampler) => cohort.push(Arrival { index, id, caches, request, sampler }),
+                Err(e) => results[index] = Err(e),
+            }
+        }
+        if cohort.len() == 1 {
+            let Arrival { index, id, caches, request, .. } = cohort.remove(0);
+            results[index] = self.join(id, caches, &request);
+        } else if !cohort.is_empty() {
+            let indices: Vec<usize> = cohort.iter().map(|a| a.index).collect();
+            if let Err(e) = self.prefill_cohort(cohort) {
+                for index in indices {
+                    results[index] =
+                        Err(Error::InvalidRequest(format!("the padded prefill failed: {e}")));
+                }
+            }
+        }
+        results
+    }
+
+    /// Prefills `cohort`'s prompts but their last tokens in one padded window, and enters its
+    /// rows with their last prompt tokens still to append. Nothing joins when it fails.
+    fn prefill_cohort(&mut self, mut cohort: Vec<Arrival>) -> Result<()> {
+        mlx::device::memory::reset_peak()?;
+        let started = Instant::now();
+        let heads: Vec<usize> = cohort.iter().map(|a| a.request.prompt.len() - 1).collect();
+        let width = heads.iter().copied().max().unwrap_or(0);
+        let mut caches: Vec<Vec<Box<dyn Cache>>> =
+            cohort.iter_mut().map(|a| std::mem::take(&mut a.caches)).collect();
+        if width > 0 {
+            let mut ids = Vec::with_capacity(cohort.len() * width);
+            for (arrival, &head) in cohort.iter().zip(&heads) {
+                ids.extend_from_slice(&arrival.request.prompt[..head]);
+                // Right padding: read only by its own queries, whose outputs nobody reads.
+                ids.extend(std::iter::repeat_n(0, width - head));
+            }
+            let ids = Array::from_slice(&ids, &[cohort.len() as i32, width as i32])?;
+            let mut padded = Cohort::prepare(self.model.fresh_caches()?)?;
+            self.model.forward_rows(&ids, padded.layers(), Phase::Window, Rows::Last)?;
+            padded.finalize(&mut caches, &heads)?;
+            let buffers: Vec<Array> = caches.iter().flatten().flat_map(|c| c.buffers()).collect();
+            mlx::eval(&buffers.iter().collect::<Vec<_>>())?;
+        }
+        for (arrival, caches) in cohort.into_iter().zip(caches) {
+            let Arrival { id, request, sampler, .. } = arrival;
+            let row = self.row(id, sampler, &request, started, None);
+            self.enter(row, caches)?;
+        }
+        Ok(())
     }
 
     /// One decode step for every row: one forward pass appends each row's next token and
@@ -371,7 +498,8 @@ impl<'m> Batch<'m> {
             .iter()
             .map(|r| match &r.ahead {
                 Some(ahead) => Ok(ahead.reshape(&[1, 1])?),
-                None => Ok(Array::from_slice(&[r.tokens.last().copied().unwrap_or(0)], &[1, 1])?),
+                // The last token emitted (or of the prompt, for a row of a padded cohort).
+                None => Ok(Array::from_slice(&[r.history.last().copied().unwrap_or(0)], &[1, 1])?),
             })
             .collect::<Result<Vec<_>>>()?;
         let ids = match feeds.as_slice() {
@@ -431,8 +559,9 @@ impl<'m> Batch<'m> {
         let width = longest + 1;
         let mut window = Vec::with_capacity(self.rows.len() * width);
         for (row, drafts) in self.rows.iter().zip(&drafts) {
-            // A row that joined has emitted its first token: its last is not appended yet.
-            let bonus = row.tokens.last().copied().unwrap_or(0);
+            // A row's last token (its last prompt token, for a row of a padded cohort) is not
+            // appended yet.
+            let bonus = row.history.last().copied().unwrap_or(0);
             window.push(bonus);
             window.extend_from_slice(drafts);
             window.extend(std::iter::repeat_n(bonus, longest - drafts.len()));

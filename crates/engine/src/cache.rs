@@ -49,6 +49,7 @@
 //! [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]); and
 //! [`RecurrentRows`], gated DeltaNet rows in one batch buffer.
 
+mod cohort;
 mod delta_rows;
 mod gated_delta;
 mod kv;
@@ -66,6 +67,7 @@ use std::collections::BTreeMap;
 
 use mlx::Array;
 
+pub use cohort::Cohort;
 pub use delta_rows::RecurrentRows;
 pub use gated_delta::{DeltaHeads, DeltaShape, GatedDeltaCache, GatedDeltaLayer, RecurrentCache};
 pub(crate) use kv::Codec;

@@ -6,7 +6,9 @@
 //! decodes `--gen-tokens` greedy tokens; every stream starts at once. Per stream count:
 //! aggregate decode tok/s (the tokens after each stream's first over the time from the first
 //! token of the last stream to join until the last stream ends), and the p50/p99 time of one
-//! decode step (what each stream waits per token). Medians over `--repeats` runs after a
+//! decode step (what each stream waits per token), and the time until every stream has its
+//! first token (the streams' prefills: one after another, or with `--together` as one padded
+//! cohort, `Batch::join_together`). Medians over `--repeats` runs after a
 //! warm-up at the largest count. With `--compare`, whether the greedy tokens of every stream
 //! equal mlx-lm's. With `--lookup` every stream drafts by prompt lookup, with `--draft DIR` by
 //! a draft model (each stream on caches of its own, the weights shared), and the streams
@@ -60,6 +62,10 @@ pub struct Args {
     /// streams verify their drafts together.
     #[arg(long)]
     draft: Option<std::path::PathBuf>,
+    /// The streams join at once and prefill as one padded cohort (where the model's state
+    /// pads), instead of one after another.
+    #[arg(long, conflicts_with_all = ["draft", "lookup"])]
+    together: bool,
     #[command(flatten)]
     load: LoadArgs,
 }
@@ -74,6 +80,8 @@ fn stream_prompt(n: usize, vocab: u32, s: usize) -> Vec<u32> {
 /// One run at `streams` concurrent streams.
 struct Run {
     decode_tok_s: f64,
+    /// From the first join until every stream has its first token.
+    first_tokens_ms: f64,
     step_ms: Vec<f64>,
     tokens: Vec<Vec<u32>>,
     /// Drafts proposed and kept (`--lookup`, `--draft`).
@@ -107,10 +115,16 @@ fn run_once(
             }
         }
     };
+    let joining = Instant::now();
+    let mut arriving = Vec::with_capacity(streams);
     for s in 0..streams {
         let request =
             GenerateRequest::new(stream_prompt(args.prompt_tokens, vocab, s), args.gen_tokens);
         let (id, caches) = (s as u64, model.fresh_caches()?);
+        if args.together {
+            arriving.push((id, caches, request));
+            continue;
+        }
         let events = match drafter {
             Some(drafter) => {
                 let fork = drafter.fork().context("a drafter that drafts for one stream")?;
@@ -120,9 +134,18 @@ fn run_once(
         };
         record(events, &mut tokens);
     }
-    let start = Instant::now();
+    for events in batch.join_together(arriving) {
+        record(events?, &mut tokens);
+    }
+    let mut first_tokens_ms = None;
+    let mut start = Instant::now();
     let mut step_ms = Vec::new();
     while !batch.is_empty() {
+        if first_tokens_ms.is_none() && tokens.iter().all(|t| !t.is_empty()) {
+            // Decoding is timed from here: every stream has its first token.
+            start = Instant::now();
+            first_tokens_ms = Some((start - joining).as_secs_f64() * 1e3);
+        }
         let step = Instant::now();
         let events = batch.step()?;
         step_ms.push(step.elapsed().as_secs_f64() * 1e3);
@@ -130,7 +153,13 @@ fn run_once(
     }
     let secs = start.elapsed().as_secs_f64();
     let decoded: usize = tokens.iter().map(|t| t.len().saturating_sub(1)).sum();
-    Ok(Run { decode_tok_s: decoded as f64 / secs, step_ms, tokens, drafts })
+    Ok(Run {
+        decode_tok_s: decoded as f64 / secs,
+        first_tokens_ms: first_tokens_ms.unwrap_or_else(|| joining.elapsed().as_secs_f64() * 1e3),
+        step_ms,
+        tokens,
+        drafts,
+    })
 }
 
 fn percentile(values: &mut [f64], p: f64) -> f64 {
@@ -166,12 +195,14 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &streams in &args.streams {
         let mut rates = Vec::new();
+        let mut firsts = Vec::new();
         let mut steps = Vec::new();
         let mut tokens = Vec::new();
         let mut drafts = (0, 0);
         for _ in 0..args.repeats {
             let run = run_once(model.as_ref(), drafter, args, streams)?;
             rates.push(run.decode_tok_s);
+            firsts.push(run.first_tokens_ms);
             steps.extend(run.step_ms);
             tokens = run.tokens;
             drafts = (drafts.0 + run.drafts.0, drafts.1 + run.drafts.1);
@@ -181,6 +212,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             "decode_tok_s": percentile(&mut rates, 0.5),
             "step_ms_p50": percentile(&mut steps, 0.5),
             "step_ms_p99": percentile(&mut steps, 0.99),
+            "first_tokens_ms": percentile(&mut firsts, 0.5),
             "tokens": tokens,
         });
         if drafter.is_some() {
@@ -252,14 +284,15 @@ fn reference(args: &Args) -> anyhow::Result<Value> {
 
 fn print_table(rows: &[Value], reference: Option<&Value>) {
     let f = |v: &Value| v.as_f64().unwrap_or(0.0);
-    println!("streams  decode tok/s  step p50 ms  step p99 ms   (quince)");
+    println!("streams  decode tok/s  step p50 ms  step p99 ms  first tokens ms   (quince)");
     for row in rows {
         print!(
-            "{:>7}  {:>12.1}  {:>11.2}  {:>11.2}",
+            "{:>7}  {:>12.1}  {:>11.2}  {:>11.2}  {:>15.1}",
             row["streams"],
             f(&row["decode_tok_s"]),
             f(&row["step_ms_p50"]),
-            f(&row["step_ms_p99"])
+            f(&row["step_ms_p99"]),
+            f(&row["first_tokens_ms"])
         );
         if let Some(proposed) = row["drafts_proposed"].as_u64() {
             let accepted = row["drafts_accepted"].as_u64().unwrap_or(0);
@@ -269,10 +302,11 @@ fn print_table(rows: &[Value], reference: Option<&Value>) {
             .and_then(|r| reference_rows(r).iter().find(|r| r["streams"] == row["streams"]))
         {
             print!(
-                "   mlx-lm {:>8.1} tok/s  p50 {:>6.2}  p99 {:>6.2}  ratio {:.2}×",
+                "   mlx-lm {:>8.1} tok/s  p50 {:>6.2}  p99 {:>6.2}  first {:>8.1}  ratio {:.2}×",
                 f(&r["decode_tok_s"]),
                 f(&r["step_ms_p50"]),
                 f(&r["step_ms_p99"]),
+                f(&r["first_tokens_ms"]),
                 f(&row["decode_tok_s"]) / f(&r["decode_tok_s"]).max(f64::MIN_POSITIVE)
             );
         }

@@ -55,13 +55,15 @@ fn alone(model: &dyn Model, request: &GenerateRequest) -> (Vec<u32>, Vec<Box<dyn
     (reply.tokens, caches)
 }
 
-/// Runs `requests` through one batch, request `i` joining before step `joins[i]`; returns each
-/// row's streamed tokens and its finished record, by id.
-fn batched(
+/// Runs `requests` through one batch, request `i` joining before step `joins[i]` (with
+/// `together`, the requests of one step join at once, [`Batch::join_together`]); returns each
+/// row's streamed tokens and its finished record, by id, and what each join reported.
+fn batched_with(
     model: &dyn Model,
     requests: &[GenerateRequest],
     joins: &[usize],
-) -> BTreeMap<RowId, (Vec<u32>, Finished)> {
+    together: bool,
+) -> (BTreeMap<RowId, (Vec<u32>, Finished)>, BTreeMap<RowId, usize>) {
     let mut batch = Batch::new(model);
     let mut streamed: BTreeMap<RowId, Vec<u32>> = BTreeMap::new();
     let mut finished: BTreeMap<RowId, Finished> = BTreeMap::new();
@@ -76,12 +78,20 @@ fn batched(
         }
     };
     let mut most = 1;
+    let mut joined = BTreeMap::new();
     for step in 0.. {
-        for (i, request) in requests.iter().enumerate() {
-            if joins[i] == step {
-                let caches = model.fresh_caches().unwrap();
-                record(batch.join(i as RowId, caches, request).unwrap(), &mut streamed);
-            }
+        let arriving = requests.iter().enumerate().filter(|(i, _)| joins[*i] == step);
+        let arriving: Vec<(RowId, Vec<Box<dyn Cache>>, GenerateRequest)> =
+            arriving.map(|(i, r)| (i as RowId, model.fresh_caches().unwrap(), r.clone())).collect();
+        let ids: Vec<RowId> = arriving.iter().map(|(id, ..)| *id).collect();
+        let results = match together {
+            true => batch.join_together(arriving),
+            false => arriving.into_iter().map(|(id, c, r)| batch.join(id, c, &r)).collect(),
+        };
+        for (id, events) in ids.into_iter().zip(results) {
+            let events = events.unwrap();
+            joined.insert(id, events.len());
+            record(events, &mut streamed);
         }
         most = most.max(batch.len());
         if batch.is_empty() && step > *joins.iter().max().unwrap() {
@@ -90,7 +100,18 @@ fn batched(
         record(batch.step().unwrap(), &mut streamed);
     }
     assert!(most >= 3, "rows overlapped (at most {most} at once)");
-    finished.into_iter().map(|(id, f)| (id, (streamed.remove(&id).unwrap(), f))).collect()
+    let rows =
+        finished.into_iter().map(|(id, f)| (id, (streamed.remove(&id).unwrap(), f))).collect();
+    (rows, joined)
+}
+
+/// [`batched_with`], each request joining alone.
+fn batched(
+    model: &dyn Model,
+    requests: &[GenerateRequest],
+    joins: &[usize],
+) -> BTreeMap<RowId, (Vec<u32>, Finished)> {
+    batched_with(model, requests, joins, false).0
 }
 
 fn assert_batched_equals_alone(model: &dyn Model, requests: &[GenerateRequest], what: &str) {
@@ -102,6 +123,17 @@ fn assert_batched_equals_alone(model: &dyn Model, requests: &[GenerateRequest], 
         // others left: those steps run compiled, as a reply outside a batch does.
         assert!(after.steps > before.steps, "a lone row's steps ran compiled: {after:?}");
     }
+    assert_rows_equal_alone(model, requests, &rows, what);
+}
+
+/// Each row generated and streamed what its request generates alone, and left holding bit for
+/// bit what the solo run's caches hold.
+fn assert_rows_equal_alone(
+    model: &dyn Model,
+    requests: &[GenerateRequest],
+    rows: &BTreeMap<RowId, (Vec<u32>, Finished)>,
+    what: &str,
+) {
     assert_eq!(rows.len(), requests.len(), "{what}: every row finished");
     for (i, request) in requests.iter().enumerate() {
         let (want, solo_caches) = alone(model, request);
@@ -134,6 +166,35 @@ fn batched_greedy_and_seeded_sampling_equal_each_request_alone() {
         for sampled in [false, true] {
             let what = format!("{name}, {}", if sampled { "sampled" } else { "greedy" });
             assert_batched_equals_alone(model.as_ref(), &requests(&prompt, sampled), &what);
+        }
+    }
+}
+
+/// Requests that arrive together prefill as one padded cohort (one batched window over their
+/// prompts but the last token, padded on the right) beside a row already decoding: each
+/// generates what it generates alone, greedy and seeded, and leaves holding bit for bit what
+/// the solo run holds (its first token comes from the next step, which appends its last
+/// prompt token with the other rows'). A model with recurrent state (Qwen3.5) does not pad:
+/// its requests join one by one, each reporting its first token at once.
+#[test]
+fn requests_that_arrive_together_prefill_as_one_padded_cohort_and_equal_each_alone() {
+    for name in ["gemma4/dense", "gemma4/moe", "gemma4/dense_q4", "gemma3/text", "qwen3_5/dense"] {
+        let model = load(name);
+        let vocab = model.vocab_size() as u32;
+        let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % vocab.min(200)).collect();
+        for sampled in [false, true] {
+            let what = format!("{name}, {}", if sampled { "sampled" } else { "greedy" });
+            let requests = requests(&prompt, sampled);
+            // Row 0 decodes alone for a step; rows 1–3 (9, 27 and 3 prompt tokens) arrive
+            // together.
+            let (rows, joined) = batched_with(model.as_ref(), &requests, &[0, 1, 1, 1], true);
+            assert_rows_equal_alone(model.as_ref(), &requests, &rows, &what);
+            let padded = !name.starts_with("qwen3_5");
+            for id in 1..4 {
+                // A row of the cohort reports nothing when it joins; a row joining alone
+                // reports its first token.
+                assert_eq!(joined[&id] == 0, padded, "{what}: row {id} joined {}", joined[&id]);
+            }
         }
     }
 }
