@@ -338,14 +338,26 @@ fn serve_together(
         }
     }
     loop {
+        // Plain replies that came since the last step, of one KV storage: they join together.
+        let mut arrivals: Vec<Pending> = Vec::new();
         while let Ok(command) = inbox.try_recv() {
             if !deferred.is_empty() {
                 defer(deferred, command);
                 continue;
             }
+            if let Command::Reply { turn, .. } = &command
+                && let Some(first) = arrivals.first()
+                && !(plain(turn) && turn.kv == first.turn.kv)
+            {
+                together.arrive_all(std::mem::take(&mut arrivals));
+            }
             match command {
                 Command::Reply { turn, events, cancel } if together.batch.takes(&turn) => {
-                    together.arrive(Pending::new(turn, events, cancel));
+                    let pending = Pending::new(turn, events, cancel);
+                    match plain(&pending.turn) {
+                        true => arrivals.push(pending),
+                        false => together.arrive(pending),
+                    }
                 }
                 Command::Check { turn, reply } => {
                     let _ = reply.send(chat.check(&turn).map_err(Error::from));
@@ -353,6 +365,7 @@ fn serve_together(
                 other => defer(deferred, other),
             }
         }
+        together.arrive_all(arrivals);
         together.drop_stopped();
         if together.batch.is_empty() {
             if together.waiting.is_empty() {
@@ -370,6 +383,11 @@ fn serve_together(
             }
         }
     }
+}
+
+/// Whether `turn` decodes plainly (no draft method): what may prefill in a padded cohort.
+fn plain(turn: &Turn) -> bool {
+    turn.speculation == engine::speculative::Speculation::Off
 }
 
 /// Puts `command` behind the batch, telling a reply it waits.
@@ -402,6 +420,23 @@ impl Together<'_, '_> {
         }
     }
 
+    /// Replies that came together: they join together ([`TurnBatch::join_all`]: those that
+    /// start fresh prefill as one padded cohort), or wait behind those already waiting.
+    fn arrive_all(&mut self, arrivals: Vec<Pending>) {
+        if arrivals.len() < 2 || !self.waiting.is_empty() {
+            arrivals.into_iter().for_each(|p| self.arrive(p));
+            return;
+        }
+        let ids: Vec<RowId> = (0..arrivals.len() as RowId).map(|i| self.next + i).collect();
+        self.next += arrivals.len() as RowId;
+        let group =
+            arrivals.iter().zip(&ids).map(|(p, &id)| (id, &*p.turn, stream_to(p))).collect();
+        let results = self.batch.join_all(group, self.drafters);
+        for ((pending, id), joined) in arrivals.into_iter().zip(ids).zip(results) {
+            self.joined(pending, id, joined, false);
+        }
+    }
+
     /// Joins the replies waiting, in order, until one still does not fit.
     fn admit_waiting(&mut self) {
         while self.waiting.front().is_some() {
@@ -431,27 +466,30 @@ impl Together<'_, '_> {
     /// `false` when it waits.
     fn join_or_wait(&mut self, pending: Pending, front: bool) -> bool {
         let id = self.next;
-        let stream = pending.events.clone();
-        let cancel = pending.cancel.clone();
-        let joined = self.batch.join(
-            id,
-            &pending.turn,
-            self.drafters,
-            move |TurnEvent::Token { text, .. }| {
-                if !text.is_empty() {
-                    let _ = stream.send(ReplyEvent::Text { text });
-                }
-                if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
-            },
-        );
+        self.next += 1;
+        let joined = self.batch.join(id, &pending.turn, self.drafters, stream_to(&pending));
+        self.joined(pending, id, joined, front)
+    }
+
+    /// What became of `pending`, joined as `id`: it decodes, ended, failed, or waits in line
+    /// (at the front when it was first in line); `false` when it waits.
+    fn joined(
+        &mut self,
+        pending: Pending,
+        id: RowId,
+        joined: engine::Result<Joined>,
+        front: bool,
+    ) -> bool {
         match joined {
             Ok(Joined::Decoding) => {
-                self.next += 1;
                 self.live.insert(id, pending.events);
             }
             Ok(Joined::Ended(outcome)) => {
-                self.next += 1;
                 let _ = pending.events.send(ReplyEvent::Done(outcome));
+            }
+            Ok(Joined::Behind) => {
+                self.wait(pending, "a reply that came before it is waiting".into());
+                return false;
             }
             Ok(Joined::Waits { needed, available }) => {
                 let reason = format!(
@@ -513,6 +551,18 @@ impl Together<'_, '_> {
             }
         }
     }
+}
+
+/// The callback a reply's turn streams to: its text to the reply's events; a stop once the
+/// reply is cancelled.
+fn stream_to(pending: &Pending) -> engine::turn::OnEvent<'static> {
+    let (stream, cancel) = (pending.events.clone(), pending.cancel.clone());
+    Box::new(move |TurnEvent::Token { text, .. }| {
+        if !text.is_empty() {
+            let _ = stream.send(ReplyEvent::Text { text });
+        }
+        if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
+    })
 }
 
 fn failed(error: Error) -> ReplyEvent {

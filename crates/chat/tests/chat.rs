@@ -850,6 +850,50 @@ async fn two_conversations_stream_at_once_and_each_reply_is_its_own() {
     assert!(next.unwrap().stats.unwrap().reused_tokens > 0, "b resumed from its checkpoint");
 }
 
+/// Replies sent at the same moment while another streams join its batch together (those
+/// that start fresh prefill as one padded cohort when they reach the engine between the same
+/// two steps): each is the reply its conversation gets alone, and the long one is untouched.
+#[tokio::test(flavor = "multi_thread")]
+async fn replies_sent_at_once_each_get_the_reply_they_get_alone() {
+    let f = fixture();
+    let (chat, long) = ready(&f, 48).await;
+    let texts = ["Hello there.", "Tell me a story about the sea, please.", "Why?"];
+    let mut alone = Vec::new();
+    let mut conversations = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        let c = chat.create_conversation().await.unwrap().id;
+        chat.set_settings(c, &greedy(10 + 4 * i as u32)).await.unwrap();
+        alone.push(send(&chat, c, text, &[]).await.0.unwrap().content);
+        conversations.push(chat.create_conversation().await.unwrap().id);
+        chat.set_settings(conversations[i], &greedy(10 + 4 * i as u32)).await.unwrap();
+    }
+    let want_long = send(&chat, long, "A long one now.", &[]).await.0.unwrap().content;
+    let long_again = chat.create_conversation().await.unwrap().id;
+    chat.set_settings(long_again, &greedy(48)).await.unwrap();
+    let log = StreamLog::default();
+    let running = {
+        let (chat, on) = (chat.clone(), log.recorder(long_again));
+        tokio::spawn(async move { chat.send(long_again, "A long one now.", &[], on).await })
+    };
+    while !log.events().contains(&(long_again, "text")) {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let sends: Vec<_> = conversations
+        .iter()
+        .zip(texts)
+        .map(|(&c, text)| {
+            let chat = chat.clone();
+            tokio::spawn(async move { chat.send(c, text, &[], |_| {}).await })
+        })
+        .collect();
+    for (i, reply) in sends.into_iter().enumerate() {
+        let reply = reply.await.unwrap().unwrap();
+        assert_eq!(reply.state, MessageState::Complete, "reply {i}");
+        assert_eq!(reply.content, alone[i], "reply {i} is its conversation's own");
+    }
+    assert_eq!(running.await.unwrap().unwrap().content, want_long);
+}
+
 /// Two conversations that draft, one by prompt lookup and one with a draft model, reply at the
 /// same time: their drafts are verified in one batch, each reply is the plain reply, and each
 /// carries its own draft counts.

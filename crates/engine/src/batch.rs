@@ -37,6 +37,10 @@ use crate::speculative::{DraftLength, DraftMethod, Pace, SpecStats, Target};
 /// Identifies a request in a batch (the caller's choice, unique among the rows).
 pub type RowId = u64;
 
+/// A request that arrives with others ([`Batch::join_together`]): its id, its caches and
+/// the request, as [`Batch::join`] takes them.
+pub type Arriving = (RowId, Vec<Box<dyn Cache>>, GenerateRequest);
+
 /// What a step or a join reports.
 #[derive(Debug)]
 pub enum BatchEvent {
@@ -388,10 +392,7 @@ impl<'m> Batch<'m> {
     /// the steps, as every other token). A model whose state does not pad (a recurrence), and
     /// every other request, join one by one as [`Batch::join`] joins them. A request refused
     /// is refused alone; the others join.
-    pub fn join_together(
-        &mut self,
-        requests: Vec<(RowId, Vec<Box<dyn Cache>>, GenerateRequest)>,
-    ) -> Vec<Result<Vec<BatchEvent>>> {
+    pub fn join_together(&mut self, requests: Vec<Arriving>) -> Vec<Result<Vec<BatchEvent>>> {
         let pads = self.model.fresh_caches().is_ok_and(|fresh| Cohort::prepare(fresh).is_ok());
         let fits = |caches: &[Box<dyn Cache>], r: &GenerateRequest| {
             let room = stack_max_append(caches).unwrap_or(usize::MAX);

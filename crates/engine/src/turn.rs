@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-pub use batch::{Joined, TurnBatch};
+pub use batch::{Joined, OnEvent, TurnBatch};
 pub use drafters::Drafters;
 
 use crate::cache::{KvOptions, stack_offset};

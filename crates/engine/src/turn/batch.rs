@@ -20,7 +20,23 @@ use crate::memory::{Beside, Fit};
 use crate::speculative::{DraftMethod, Speculation};
 
 /// The callback a turn streams its events to; [`Flow::Stop`] ends the turn after that token.
-type OnEvent<'c> = Box<dyn FnMut(TurnEvent) -> Flow + 'c>;
+pub type OnEvent<'c> = Box<dyn FnMut(TurnEvent) -> Flow + 'c>;
+
+/// A turn [`TurnBatch::open`] opened, or why it waits.
+enum Opening {
+    Waits(Joined),
+    Ready(Ready),
+}
+
+/// An opened turn's part before it joins the batch: its caches (what its checkpoint restored,
+/// or fresh), what it appends and decodes, the tokens its caches held before the prompt, and
+/// its drafter's fork.
+struct Ready {
+    caches: Vec<Box<dyn crate::cache::Cache>>,
+    request: crate::generate::GenerateRequest,
+    earlier: Vec<u32>,
+    method: Option<Box<dyn DraftMethod>>,
+}
 
 /// A turn decoding in the batch.
 struct Row<'c> {
@@ -45,6 +61,9 @@ pub enum Joined {
         /// What the limit leaves it beside the turns decoding.
         available: u64,
     },
+    /// Nothing ran: a turn before it in the same [`TurnBatch::join_all`] waits, and turns join
+    /// in the order they came. Join it again after that one.
+    Behind,
 }
 
 /// Turns of one model decoding together. See the module docs.
@@ -87,7 +106,8 @@ impl<'c> TurnBatch<'c> {
     pub fn takes(&self, turn: &Turn) -> bool {
         let drafts = turn.speculation != Speculation::Off;
         self.chat.batches(turn)
-            && (self.is_empty() || (self.kv == Some(turn.kv) && (!drafts || self.batch.verifies())))
+            && (self.rows.is_empty()
+                || (self.kv == Some(turn.kv) && (!drafts || self.batch.verifies())))
     }
 
     /// Opens `turn`, prefills it alone and streams its first token to `on_event`; the turn then
@@ -106,6 +126,65 @@ impl<'c> TurnBatch<'c> {
         drafters: &mut Drafters,
         on_event: impl FnMut(TurnEvent) -> Flow + 'c,
     ) -> Result<Joined> {
+        match self.open(id, turn, drafters, Box::new(on_event))? {
+            Opening::Waits(waits) => Ok(waits),
+            Opening::Ready(ready) => self.enter(id, ready),
+        }
+    }
+
+    /// [`TurnBatch::join`] for turns that arrive together, each with its result in order.
+    /// Those that decode plainly and start fresh (no checkpoint restored, no image) prefill
+    /// as one padded cohort ([`Batch::join_together`]); their first tokens come with the
+    /// next [`TurnBatch::step`]. The others join one by one. Admission counts the turns of the
+    /// group opened before each one beside the turns decoding; once one waits, the turns after
+    /// it are not opened ([`Joined::Behind`]).
+    pub fn join_all(
+        &mut self,
+        turns: Vec<(RowId, &Turn, OnEvent<'c>)>,
+        drafters: &mut Drafters,
+    ) -> Vec<Result<Joined>> {
+        let mut results: Vec<Result<Joined>> = Vec::with_capacity(turns.len());
+        let mut together = Vec::new();
+        let mut waits = false;
+        for (index, (id, turn, on_event)) in turns.into_iter().enumerate() {
+            results.push(Ok(Joined::Behind));
+            if waits {
+                continue;
+            }
+            results[index] = match self.open(id, turn, drafters, on_event) {
+                Err(e) => Err(e),
+                Ok(Opening::Waits(joined)) => {
+                    waits = true;
+                    Ok(joined)
+                }
+                Ok(Opening::Ready(ready)) if ready.method.is_none() => {
+                    together.push((index, id, ready));
+                    continue;
+                }
+                Ok(Opening::Ready(ready)) => self.enter(id, ready),
+            };
+        }
+        let (places, requests): (Vec<_>, Vec<_>) = together
+            .into_iter()
+            .map(|(index, id, ready)| ((index, id), (id, ready.caches, ready.request)))
+            .unzip();
+        let joined = self.batch.join_together(requests);
+        for ((index, id), events) in places.into_iter().zip(joined) {
+            results[index] = self.entered(id, events);
+        }
+        results
+    }
+
+    /// What [`TurnBatch::join`] does before the turn's prefill: the checks, admission, its
+    /// drafter's fork and the turn opened (rendered, its checkpoint restored, its images
+    /// encoded); the turn is then one of the rows, not decoding yet.
+    fn open(
+        &mut self,
+        id: RowId,
+        turn: &Turn,
+        drafters: &mut Drafters,
+        on_event: OnEvent<'c>,
+    ) -> Result<Opening> {
         if !self.takes(turn) {
             return Err(Error::InvalidRequest(
                 "this turn cannot join the batch (an assistant model, drafts in a batch that \
@@ -117,7 +196,7 @@ impl<'c> TurnBatch<'c> {
             return Err(Error::InvalidRequest(format!("turn {id} is already in the batch")));
         }
         let drafts = turn.speculation != Speculation::Off;
-        if self.is_empty() && drafts != self.batch.verifies() {
+        if self.rows.is_empty() && drafts != self.batch.verifies() {
             // The first turn decides whether rows verify drafts.
             self.batch = match drafts {
                 true => Batch::verifying(self.chat.model()),
@@ -126,7 +205,7 @@ impl<'c> TurnBatch<'c> {
         }
         let admitted = self.chat.admit(turn, self.beside())?;
         if let Fit::AfterOthers { needed, available } = admitted.fit {
-            return Ok(Joined::Waits { needed, available });
+            return Ok(Opening::Waits(Joined::Waits { needed, available }));
         }
         let mut method = drafters.fork(self.chat, &turn.speculation)?;
         let mut opened = self.chat.open(turn, admitted)?;
@@ -135,28 +214,43 @@ impl<'c> TurnBatch<'c> {
             m.resume(&contents.attachments, &contents.tokens)?;
         }
         let caches = std::mem::take(&mut opened.caches);
-        let reply = ReplyText::new(self.chat, turn, opened.started);
-        let row = Row { turn: turn.clone(), opened, reply, on_event: Box::new(on_event) };
-        let request = row.opened.request.clone();
+        let request = opened.request.clone();
         // The tokens the caches held before the prompt (a restored checkpoint's).
-        let earlier = row.opened.prompt[..row.opened.prompt.len() - request.prompt.len()].to_vec();
-        self.rows.insert(id, row);
-        let joined = match method {
+        let earlier = opened.prompt[..opened.prompt.len() - request.prompt.len()].to_vec();
+        let reply = ReplyText::new(self.chat, turn, opened.started);
+        if self.rows.is_empty() {
+            self.kv = Some(turn.kv);
+        }
+        self.rows.insert(id, Row { turn: turn.clone(), opened, reply, on_event });
+        Ok(Opening::Ready(Ready { caches, request, earlier, method }))
+    }
+
+    /// Prefills an opened turn alone and joins it to the batch.
+    fn enter(&mut self, id: RowId, ready: Ready) -> Result<Joined> {
+        let Ready { caches, request, earlier, method } = ready;
+        let length = self.rows.get(&id).map(|r| r.turn.draft_length).unwrap_or_default();
+        let events = match method {
             Some(method) => {
-                self.batch.join_drafting(id, caches, &request, &earlier, method, turn.draft_length)
+                self.batch.join_drafting(id, caches, &request, &earlier, method, length)
             }
             None => self.batch.join(id, caches, &request),
         };
-        let events = match joined {
+        self.entered(id, events)
+    }
+
+    /// After the batch took (or refused) opened turn `id`: its first events routed, or the turn
+    /// dropped.
+    fn entered(&mut self, id: RowId, events: Result<Vec<BatchEvent>>) -> Result<Joined> {
+        let events = match events {
             Ok(events) => events,
             Err(e) => {
                 self.rows.remove(&id);
+                if self.rows.is_empty() {
+                    self.kv = None;
+                }
                 return Err(e);
             }
         };
-        if self.batch.len() == 1 {
-            self.kv = Some(turn.kv);
-        }
         let mut outcomes = self.route(events)?;
         match outcomes.pop() {
             Some((_, outcome)) => Ok(Joined::Ended(Box::new(outcome?))),
@@ -165,17 +259,21 @@ impl<'c> TurnBatch<'c> {
     }
 
     /// The KV memory of the turns decoding: what their caches hold, and what each may still
-    /// take (its projection at its longest reply, less its projection now).
+    /// take (its projection at its longest reply, less its projection now; all of it for a
+    /// turn opened that does not decode yet).
     pub fn beside(&self) -> Beside {
         let growth = self
             .rows
             .iter()
-            .filter_map(|(&id, row)| {
-                let (generated, budget) = self.batch.progress(id)?;
-                let now = row.opened.prompt.len() + generated;
+            .map(|(&id, row)| {
                 let plan = &row.opened.plan;
+                let prompt = row.opened.prompt.len();
+                let Some((generated, budget)) = self.batch.progress(id) else {
+                    return plan.projected_bytes(prompt + row.opened.request.max_tokens) as u64;
+                };
+                let now = prompt + generated;
                 let most = plan.projected_bytes(now + budget.saturating_sub(generated));
-                Some(most.saturating_sub(plan.projected_bytes(now)) as u64)
+                most.saturating_sub(plan.projected_bytes(now)) as u64
             })
             .sum();
         Beside { held: self.batch.kv_bytes(), growth }

@@ -55,6 +55,9 @@ fn alone(model: &dyn Model, request: &GenerateRequest) -> (Vec<u32>, Vec<Box<dyn
     (reply.tokens, caches)
 }
 
+/// Each row's streamed tokens and its finished record, by id.
+type Rows = BTreeMap<RowId, (Vec<u32>, Finished)>;
+
 /// Runs `requests` through one batch, request `i` joining before step `joins[i]` (with
 /// `together`, the requests of one step join at once, [`Batch::join_together`]); returns each
 /// row's streamed tokens and its finished record, by id, and what each join reported.
@@ -63,7 +66,7 @@ fn batched_with(
     requests: &[GenerateRequest],
     joins: &[usize],
     together: bool,
-) -> (BTreeMap<RowId, (Vec<u32>, Finished)>, BTreeMap<RowId, usize>) {
+) -> (Rows, BTreeMap<RowId, usize>) {
     let mut batch = Batch::new(model);
     let mut streamed: BTreeMap<RowId, Vec<u32>> = BTreeMap::new();
     let mut finished: BTreeMap<RowId, Finished> = BTreeMap::new();
@@ -81,7 +84,7 @@ fn batched_with(
     let mut joined = BTreeMap::new();
     for step in 0.. {
         let arriving = requests.iter().enumerate().filter(|(i, _)| joins[*i] == step);
-        let arriving: Vec<(RowId, Vec<Box<dyn Cache>>, GenerateRequest)> =
+        let arriving: Vec<engine::batch::Arriving> =
             arriving.map(|(i, r)| (i as RowId, model.fresh_caches().unwrap(), r.clone())).collect();
         let ids: Vec<RowId> = arriving.iter().map(|(id, ..)| *id).collect();
         let results = match together {
@@ -450,4 +453,75 @@ fn rows_that_draft_join_only_a_batch_that_verifies() {
     let err = verifying.join(0, caches, &request).unwrap_err();
     assert!(err.to_string().contains("does not batch"), "{err}");
     assert!(verifying.is_empty());
+}
+
+/// Turns that arrive together ([`TurnBatch::join_all`]) and start fresh prefill as one padded
+/// cohort and write checkpoints: each gives what it gives alone, the same tokens and
+/// checkpoint files with the same bytes; nothing streams before the first step (their first
+/// tokens come with it).
+#[test]
+fn turns_that_arrive_together_prefill_as_a_cohort_and_equal_each_alone() {
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    use engine::turn::{ChatModel, Drafters, Joined, Prompt, Turn, TurnBatch};
+    let chat =
+        ChatModel::load(&checkpoint("gemma4/dense"), &engine::LoadOptions::default()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let turn = |i: u32, len: u32, max_tokens: usize, name: &str| Turn {
+        max_tokens,
+        checkpoint_to: Some(tmp.path().join(name)),
+        ..Turn::new(Prompt::Tokens {
+            ids: (0..len).map(|j| (j * 37 + i * 11) % 400 + 3).collect(),
+            images: Vec::new(),
+        })
+    };
+    let shapes = [(24, 10), (9, 16), (17, 6)];
+    let mut drafters = Drafters::new(engine::LoadOptions::default());
+    let alone: Vec<_> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, max))| {
+            let t = turn(i as u32, len, max, &format!("alone{i}.safetensors"));
+            chat.answer(&t, &mut drafters, |_| Flow::Continue).unwrap()
+        })
+        .collect();
+    let turns: Vec<Turn> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, max))| turn(i as u32, len, max, &format!("together{i}.safetensors")))
+        .collect();
+    let streamed = Rc::new(Cell::new(0));
+    let mut batch = TurnBatch::new(&chat);
+    let group = turns
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let streamed = Rc::clone(&streamed);
+            let on_event: engine::turn::OnEvent<'_> = Box::new(move |_| {
+                streamed.set(streamed.get() + 1);
+                Flow::Continue
+            });
+            (i as u64, t, on_event)
+        })
+        .collect();
+    for joined in batch.join_all(group, &mut drafters) {
+        assert!(matches!(joined.unwrap(), Joined::Decoding));
+    }
+    assert_eq!(streamed.get(), 0, "the cohort's first tokens come with the first step");
+    assert_eq!(batch.len(), 3);
+    let mut together = BTreeMap::new();
+    while !batch.is_empty() {
+        for (id, outcome) in batch.step().unwrap() {
+            together.insert(id, outcome.unwrap());
+        }
+    }
+    for (i, want) in alone.iter().enumerate() {
+        let got = &together[&(i as u64)];
+        assert_eq!(got.tokens, want.tokens, "turn {i}");
+        assert_eq!(got.stats.prompt_tokens, want.stats.prompt_tokens, "turn {i}");
+        let (a, b) = (got.checkpoint.as_ref().unwrap(), want.checkpoint.as_ref().unwrap());
+        assert_eq!(a.tokens, b.tokens, "turn {i}: the checkpoint's boundary");
+        assert_eq!(a.file.sha256, b.file.sha256, "turn {i}: the checkpoint's bytes");
+    }
 }

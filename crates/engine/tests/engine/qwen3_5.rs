@@ -249,7 +249,7 @@ fn turns_answered_together_equal_each_alone_with_their_checkpoints() {
             Joined::Ended(outcome) => {
                 together.insert(i as u64, *outcome);
             }
-            Joined::Waits { .. } => panic!("no memory limit was set"),
+            Joined::Waits { .. } | Joined::Behind => panic!("no memory limit was set"),
         }
         batch.step().unwrap().into_iter().for_each(|(id, outcome)| {
             together.insert(id, outcome.unwrap());
