@@ -40,6 +40,7 @@ function view(s) {
       conversations: [...document.querySelectorAll('[data-testid="conversation-item"]')].map((c) => c.innerText.trim()),
       error: q(document, 'error-banner')?.innerText ?? null,
       waiting: q(document, 'waiting-for-model')?.innerText ?? null,
+      queued: q(document, 'queued')?.innerText ?? null,
       unanswered: q(document, 'unanswered') !== null,
     };`);
 }
@@ -339,6 +340,19 @@ async function main() {
     const short = await waitForReply(s, 2);
     assert.equal(last(short, "assistant").state, "complete");
     assert.deepEqual(await replying(), [LONG], "the long reply still streams");
+    // A reply that cannot decode beside the long one (another KV cache choice: its rows could
+    // not share the batch's) waits in line and says so; it runs once the long reply ends.
+    await (await s.find('[data-testid="settings-button"]')).click();
+    await s.waitForElement('[data-testid="kv-cache"]');
+    await (await s.find('[data-testid="kv-cache"]')).click();
+    await (await s.find('[data-testid="kv-cache"] option[value="affine4"]')).click();
+    await (await s.find('[data-testid="settings-save"]')).click();
+    await s.waitFor("the settings panel to close", async () => (await s.findAll('[data-testid="kv-cache"]')).length === 0);
+    await send(s, "One more, on 4-bit keys.");
+    const queued = await waitForView(s, "the reply to wait in line", (v) => v.queued !== null, 30000, 20);
+    assert.match(queued.queued, /Waiting for another chat's reply to finish/, queued.queued);
+    assert.equal(last(queued, "assistant").text, "", "it waits before any text");
+    await shot(s, "reply-waiting-in-line");
     await (await chat(LONG)).click();
     await s.waitFor("the long reply, still streaming", async () => {
       const v = await view(s);
@@ -347,8 +361,14 @@ async function main() {
     await (await s.find('[data-testid="stop-button"]')).click();
     const long = await waitForReply(s, 1, 30000);
     assert.equal(last(long, "assistant").state, "stopped");
-    assert.deepEqual(await replying(), []);
     await shot(s, "long-reply-stopped");
+    await (await chat(SHORT)).click();
+    const ran = await waitForReply(s, 3);
+    assert.equal(last(ran, "assistant").state, "complete", JSON.stringify(ran));
+    assert.ok(last(ran, "assistant").text.length > 0 && ran.queued === null, JSON.stringify(ran));
+    assert.match(last(ran, "assistant").stats, /4-bit/);
+    assert.deepEqual(await replying(), []);
+    await shot(s, "waiting-reply-ran");
   } finally {
     await s.quit();
   }

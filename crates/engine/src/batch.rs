@@ -2,7 +2,9 @@
 //!
 //! A request joins a [`Batch`] after its own prefill ([`Batch::join`] runs it alone, with its
 //! images and from whatever prefix its caches hold, such as a restored KV checkpoint), so a
-//! long prompt never stalls the rows already decoding for more than its own prefill. From then
+//! long prompt never stalls the rows already decoding for more than its own prefill. Requests
+//! that arrive together and start fresh prefill as one padded cohort instead
+//! ([`Batch::join_together`], [`crate::cache::Cohort`]). From then
 //! on every [`Batch::step`] appends each row's next token in one batched decode pass: each
 //! layer's state is a batch of rows of its storage ([`crate::cache::BatchRows`], made by
 //! [`crate::cache::Cache::empty_rows`]): full-precision keys and values in
@@ -17,7 +19,9 @@
 //! logits with its own [`Sampler`] (seed, temperature, penalties), stops on its own stop
 //! tokens and token budget, and leaves the batch when it ends or is cancelled
 //! ([`Batch::cancel`]), taking its caches with it as ordinary single-sequence caches, ready
-//! to checkpoint.
+//! to checkpoint. In a batch that verifies ([`Batch::verifying`]) rows that draft (by prompt
+//! lookup or a draft model, each with a method of its own) verify their drafts in one window
+//! pass a step and each keeps its own count.
 //!
 //! What a row generates does not depend on the other rows: the engine's tests hold batched
 //! greedy and seeded sampling to the same requests run alone, token for token, and a row's
@@ -389,11 +393,11 @@ impl<'m> Batch<'m> {
     /// but the last token, padded on the right, after which each row holds what its own
     /// prefill holds there; their last prompt tokens are then appended by the next
     /// [`Batch::step`] with the other rows', which samples their first tokens (reported by
-    /// the steps, as every other token). A model whose state does not pad (a recurrence), and
-    /// every other request, join one by one as [`Batch::join`] joins them. A request refused
-    /// is refused alone; the others join.
+    /// the steps, as every other token). A model whose state does not pad (a multimodal-RoPE
+    /// model's position shifts), and every other request, join one by one as [`Batch::join`]
+    /// joins them. A request refused is refused alone; the others join.
     pub fn join_together(&mut self, requests: Vec<Arriving>) -> Vec<Result<Vec<BatchEvent>>> {
-        let pads = self.model.fresh_caches().is_ok_and(|fresh| Cohort::prepare(fresh).is_ok());
+        let pads = self.model.fresh_caches().is_ok_and(|fresh| Cohort::prepare(fresh, &[]).is_ok());
         let fits = |caches: &[Box<dyn Cache>], r: &GenerateRequest| {
             let room = stack_max_append(caches).unwrap_or(usize::MAX);
             pads && r.images.is_empty()
@@ -458,9 +462,9 @@ impl<'m> Batch<'m> {
                 ids.extend(std::iter::repeat_n(0, width - head));
             }
             let ids = Array::from_slice(&ids, &[cohort.len() as i32, width as i32])?;
-            let mut padded = Cohort::prepare(self.model.fresh_caches()?)?;
+            let mut padded = Cohort::prepare(self.model.fresh_caches()?, &heads)?;
             self.model.forward_rows(&ids, padded.layers(), Phase::Window, Rows::Last)?;
-            padded.finalize(&mut caches, &heads)?;
+            padded.finalize(&mut caches)?;
             let buffers: Vec<Array> = caches.iter().flatten().flat_map(|c| c.buffers()).collect();
             mlx::eval(&buffers.iter().collect::<Vec<_>>())?;
         }

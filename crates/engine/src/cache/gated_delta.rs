@@ -296,6 +296,64 @@ impl RecurrentCache {
         Ok(y)
     }
 
+    /// A padded prefill cohort's window ([`super::Cohort`]) on this fresh cache standing in
+    /// for every row: `qkv`, `a`, `b` `[B, S, ·]`, of which row `r`'s first `lengths[r]`
+    /// positions are its own and the rest padding on the right. Padded positions change
+    /// neither state (they neither decay nor learn; the convolution is causal, so no real
+    /// position reads them). Returns the recurrence's output (unspecified at padded positions)
+    /// and each row's own cache after its positions: its state, and the convolution tail
+    /// ending at its last position, as appending them alone leaves them. This cache is
+    /// unchanged.
+    pub(super) fn cohort_window(
+        &self,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
+        lengths: &[usize],
+        layer: &dyn GatedDeltaLayer,
+    ) -> Result<(Array, Vec<RecurrentCache>)> {
+        if self.offset > 0 || self.round.is_some() {
+            return Err(Error::InvalidRequest(
+                "a prefill cohort starts from an empty gated DeltaNet cache".into(),
+            ));
+        }
+        let length = self.check(qkv, a, b, false)?;
+        let batch = qkv.dim(0)?;
+        if lengths.len() != batch as usize || lengths.iter().any(|&n| n > length) {
+            return Err(Error::InvalidRequest(format!(
+                "row lengths {lengths:?} for {batch} rows of {length} positions"
+            )));
+        }
+        let input = self.conv_input(qkv)?;
+        let channels = self.shape.conv_dim() as i32;
+        let convolved = ops::conv1d(&input, layer.conv_weight(), 1, 0, 1, channels)?;
+        let heads = layer.heads(&convolved)?;
+        let mut steps = self.steps(qkv.clone(), heads, a, b, layer)?;
+        // At a padded position the state neither decays (g = 1) nor learns (β = 0).
+        let flags: Vec<bool> =
+            lengths.iter().flat_map(|&n| (0..length).map(move |i| i >= n)).collect();
+        let padded = Array::from_slice(&flags, &[batch, length as i32, 1])?;
+        steps.g = ops::where_(&padded, &steps.g.scalar_like(1.0)?, &steps.g)?;
+        steps.beta = ops::where_(&padded, &steps.beta.scalar_like(0.0)?, &steps.beta)?;
+        let (y, state) = recurrence(&steps, &self.state_or_zeros(batch)?)?;
+        let tail = (self.shape.kernel - 1) as i32;
+        let rows = lengths
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| -> Result<RecurrentCache> {
+                if n == 0 {
+                    return Ok(RecurrentCache::new(self.shape));
+                }
+                let (r, n) = (r as i32, n as i32);
+                // Input row `K − 1 + i` is position `i`: the tail ends at position `n − 1`.
+                let conv = input.slice(&[r, n, 0], &[r + 1, n + tail, channels], &[1, 1, 1])?;
+                let parts = (conv.contiguous()?, batch_row(&state, r)?);
+                Ok(RecurrentCache::from_parts(self.shape, Some(parts), n as usize))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((y, rows))
+    }
+
     /// [`GatedDeltaCache::recur_window_padded`].
     fn append_padded(
         &mut self,

@@ -177,11 +177,20 @@ fn batched_greedy_and_seeded_sampling_equal_each_request_alone() {
 /// prompts but the last token, padded on the right) beside a row already decoding: each
 /// generates what it generates alone, greedy and seeded, and leaves holding bit for bit what
 /// the solo run holds (its first token comes from the next step, which appends its last
-/// prompt token with the other rows'). A model with recurrent state (Qwen3.5) does not pad:
-/// its requests join one by one, each reporting its first token at once.
+/// prompt token with the other rows'). Qwen3.5's gated DeltaNet state pads too; its model
+/// with a vision tower keeps rope shifts, which do not: its requests join one by one, each
+/// reporting its first token at once.
 #[test]
 fn requests_that_arrive_together_prefill_as_one_padded_cohort_and_equal_each_alone() {
-    for name in ["gemma4/dense", "gemma4/moe", "gemma4/dense_q4", "gemma3/text", "qwen3_5/dense"] {
+    for name in [
+        "gemma4/dense",
+        "gemma4/moe",
+        "gemma4/dense_q4",
+        "gemma3/text",
+        "qwen3_5/dense",
+        "qwen3_5/moe",
+        "qwen3_5/vision",
+    ] {
         let model = load(name);
         let vocab = model.vocab_size() as u32;
         let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % vocab.min(200)).collect();
@@ -192,7 +201,7 @@ fn requests_that_arrive_together_prefill_as_one_padded_cohort_and_equal_each_alo
             // together.
             let (rows, joined) = batched_with(model.as_ref(), &requests, &[0, 1, 1, 1], true);
             assert_rows_equal_alone(model.as_ref(), &requests, &rows, &what);
-            let padded = !name.starts_with("qwen3_5");
+            let padded = name != "qwen3_5/vision";
             for id in 1..4 {
                 // A row of the cohort reports nothing when it joins; a row joining alone
                 // reports its first token.
