@@ -446,7 +446,8 @@ impl<'m> Batch<'m> {
     }
 
     /// Prefills `cohort`'s prompts but their last tokens in one padded window, and enters its
-    /// rows with their last prompt tokens still to append. Nothing joins when it fails.
+    /// rows with their last prompt tokens still to append. When the padded pass fails, none
+    /// of them joins.
     fn prefill_cohort(&mut self, mut cohort: Vec<Arrival>) -> Result<()> {
         mlx::device::memory::reset_peak()?;
         let started = Instant::now();
