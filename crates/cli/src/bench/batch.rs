@@ -66,6 +66,9 @@ pub struct Args {
     /// pads), instead of one after another.
     #[arg(long, conflicts_with_all = ["draft", "lookup"])]
     together: bool,
+    /// Print every step's time on stderr as it ends (to see where a slow run spends it).
+    #[arg(long)]
+    verbose: bool,
     #[command(flatten)]
     load: LoadArgs,
 }
@@ -149,6 +152,14 @@ fn run_once(
         let step = Instant::now();
         let events = batch.step()?;
         step_ms.push(step.elapsed().as_secs_f64() * 1e3);
+        if args.verbose {
+            eprintln!(
+                "  step {}: {:.2} ms, {} rows",
+                step_ms.len(),
+                step_ms[step_ms.len() - 1],
+                batch.len()
+            );
+        }
         record(events, &mut tokens);
     }
     let secs = start.elapsed().as_secs_f64();
@@ -191,7 +202,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     };
     let drafter = drafter.as_deref();
     let most = args.streams.iter().copied().max().unwrap_or(1);
+    let began = Instant::now();
     run_once(model.as_ref(), drafter, args, most)?; // warm-up: builds the kernels of every shape
+    eprintln!("warm-up at {most} streams: {:.1} s", began.elapsed().as_secs_f64());
     let mut rows = Vec::new();
     for &streams in &args.streams {
         let mut rates = Vec::new();
@@ -200,7 +213,15 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let mut tokens = Vec::new();
         let mut drafts = (0, 0);
         for _ in 0..args.repeats {
+            let began = Instant::now();
             let run = run_once(model.as_ref(), drafter, args, streams)?;
+            eprintln!(
+                "{streams} streams: {:.1} tok/s, first tokens {:.1} ms, {} steps, {:.1} s",
+                run.decode_tok_s,
+                run.first_tokens_ms,
+                run.step_ms.len(),
+                began.elapsed().as_secs_f64()
+            );
             rates.push(run.decode_tok_s);
             firsts.push(run.first_tokens_ms);
             steps.extend(run.step_ms);
