@@ -16,6 +16,7 @@
 mod actor;
 mod attachments;
 mod checkpoints;
+mod completions;
 mod conversations;
 pub mod downloads;
 mod error;
@@ -32,6 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use actor::{Engine, ModelInfo, ReplyEvent};
 pub use attachments::{attachment_mime, is_attachment_name};
+pub use completions::{Completion, CompletionStream};
 /// The MLX settings every front end applies at start, before any MLX op.
 pub use engine::configure_mlx;
 use engine::kv_file::Identity;
@@ -51,6 +53,8 @@ pub const MAX_IMAGE_BYTES: usize = 50 << 20;
 pub const CHECKPOINT_BUDGET: &str = "checkpoint_budget_bytes";
 /// Default disk budget for KV checkpoints.
 pub const DEFAULT_CHECKPOINT_BUDGET: u64 = 10 << 30;
+/// The prompt cache ([`Chat::complete`]) keeps at most this fraction of the checkpoint budget.
+const PROMPT_CACHE_SHARE: u64 = 4;
 /// The app setting holding the last model loaded.
 const LAST_MODEL: &str = "last_model";
 
@@ -74,6 +78,8 @@ pub struct Chat {
     checkpoints: bool,
     /// Model downloads in this process.
     downloads: Arc<downloads::Registry>,
+    /// Checkpoints of the completions answered ([`Chat::complete`]).
+    prompt_cache: Arc<completions::PromptCache>,
 }
 
 /// A reply in flight.
@@ -109,13 +115,17 @@ impl Chat {
         Ok(Chat {
             store,
             engine: Engine::start(engine::LoadOptions::default())?,
-            data_dir,
             demo_model: None,
             hf_cache: library::hf_cache_dir(),
             running: Arc::default(),
             loaded: Arc::default(),
             loading: Arc::default(),
             identity: Arc::default(),
+            prompt_cache: Arc::new(completions::PromptCache::open(
+                data_dir.join("checkpoints").join("prompt-cache"),
+                checkpoint_budget / PROMPT_CACHE_SHARE,
+            )),
+            data_dir,
             checkpoint_budget,
             checkpoints: true,
             downloads: Arc::default(),
@@ -156,6 +166,7 @@ impl Chat {
     /// [`CHECKPOINT_BUDGET`], else 10 GiB).
     pub fn with_checkpoint_budget(mut self, bytes: u64) -> Chat {
         self.checkpoint_budget = bytes;
+        self.prompt_cache.set_budget(bytes / PROMPT_CACHE_SHARE);
         self
     }
 

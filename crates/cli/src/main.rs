@@ -18,6 +18,7 @@ mod generate;
 mod logits;
 mod options;
 mod pull;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -56,6 +57,8 @@ enum Command {
     Pull(pull::Args),
     /// Perplexity on a text, and each draft method's acceptance on prompts from it.
     Eval(eval::EvalArgs),
+    /// The local server: OpenAI- and Anthropic-compatible routes on one model.
+    Serve(serve::Args),
 }
 
 /// The MLX environment settings Quince applied itself (dropped again for the reference's
@@ -81,5 +84,6 @@ fn main() -> anyhow::Result<()> {
         Command::BenchBatch(args) => bench::batch::run(&args),
         Command::Pull(args) => pull::run(&args),
         Command::Eval(args) => eval::run(&args),
+        Command::Serve(args) => serve::run(&args),
     }
 }

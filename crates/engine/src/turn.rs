@@ -85,6 +85,9 @@ pub enum Prompt {
         /// The images.
         images: Vec<PathBuf>,
     },
+    /// Text tokenized as it is, with the tokenizer's special tokens (its BOS) and no template:
+    /// a raw completion's prompt.
+    Text(String),
 }
 
 /// A checkpoint the turn may resume from.

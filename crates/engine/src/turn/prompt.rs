@@ -21,6 +21,7 @@ pub(super) fn prepare_images(
     let paths: Vec<&PathBuf> = match prompt {
         Prompt::Messages(messages) => messages.iter().flat_map(|m| &m.images).collect(),
         Prompt::Tokens { images, .. } => images.iter().collect(),
+        Prompt::Text(_) => Vec::new(),
     };
     if paths.is_empty() {
         return Ok(Vec::new());
@@ -43,16 +44,20 @@ pub(super) fn render(
     open: bool,
     options: &TemplateOptions,
 ) -> Result<Vec<u32>> {
+    let tokenizer = || {
+        chat.tokenizer().ok_or_else(|| {
+            Error::InvalidRequest(format!(
+                "{} has no tokenizer.json: only token ids can be sent to it",
+                chat.path().display()
+            ))
+        })
+    };
     let messages = match prompt {
         Prompt::Tokens { ids, .. } => return Ok(ids.clone()),
+        Prompt::Text(text) => return tokenizer()?.encode(text, true),
         Prompt::Messages(messages) => messages,
     };
-    let tokenizer = chat.tokenizer().ok_or_else(|| {
-        Error::InvalidRequest(format!(
-            "{} has no tokenizer.json: only token ids can be sent to it",
-            chat.path().display()
-        ))
-    })?;
+    let tokenizer = tokenizer()?;
     if !tokenizer.has_chat_template() {
         let last = messages.last().map_or("", |m| m.text.as_str());
         return tokenizer.encode(last, true);
@@ -136,7 +141,9 @@ pub(super) fn boundary(
     options: &TemplateOptions,
 ) -> Result<Vec<u32>> {
     match prompt {
-        Prompt::Tokens { .. } => Ok(tokens.iter().chain(reply).copied().collect()),
+        Prompt::Tokens { .. } | Prompt::Text(_) => {
+            Ok(tokens.iter().chain(reply).copied().collect())
+        }
         Prompt::Messages(messages) => {
             let mut turn = messages.clone();
             turn.push(TurnMessage::text("assistant", text));

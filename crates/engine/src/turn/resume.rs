@@ -19,8 +19,8 @@ pub(super) struct Restored {
     pub(super) from: Option<(i64, kv_file::Contents)>,
 }
 
-/// Restores the longest usable checkpoint into caches of `plan`: one whose tokens share a
-/// prefix with `prompt` (trimmed back to that prefix where the storages allow). Damaged or
+/// Restores the usable checkpoint sharing the longest prefix with `prompt` into caches of
+/// `plan` (trimmed back to that prefix where the storages allow). Damaged or
 /// foreign files, and files of another storage, are added to `rejected`; fresh caches when
 /// none serves.
 pub(super) fn restore(
@@ -33,15 +33,19 @@ pub(super) fn restore(
     let model = chat.model();
     let image = model.vision().map(|v| v.image_token());
     let signature = plan.signature()?;
-    for candidate in candidates {
-        if candidate.signature.as_ref().is_some_and(|s| *s != signature) {
-            continue;
-        }
-        let shared = common_prefix(&candidate.tokens, prompt).min(prompt.len() - 1);
-        let keep = cut_outside_images(prompt, image, shared);
-        if keep == 0 {
-            continue;
-        }
+    // The candidates sharing the most with the prompt first (a conversation's ancestors are
+    // already longest first; unrelated requests' checkpoints share different prefixes).
+    let mut usable: Vec<(usize, &ResumeCandidate)> = candidates
+        .iter()
+        .filter(|c| c.signature.as_ref().is_none_or(|s| *s == signature))
+        .map(|c| {
+            let shared = common_prefix(&c.tokens, prompt).min(prompt.len() - 1);
+            (cut_outside_images(prompt, image, shared), c)
+        })
+        .filter(|(keep, _)| *keep > 0)
+        .collect();
+    usable.sort_by_key(|(keep, _)| std::cmp::Reverse(*keep));
+    for (keep, candidate) in usable {
         let mut restored = model.new_caches(plan)?;
         let read =
             kv_file::read(&candidate.path, &candidate.sha256, chat.identity(), &mut restored);
