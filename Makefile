@@ -13,7 +13,9 @@ REQUIREMENTS := tests/reference/requirements.txt
 # The reference libraries for the golden scripts: their deps, then mlx-lm/mlx-vlm without theirs.
 REFERENCE_REQUIREMENTS := tests/reference/requirements-reference.txt
 NODEPS_REQUIREMENTS := tests/reference/requirements-nodeps.txt
-ALL_REQUIREMENTS := $(REQUIREMENTS) $(REFERENCE_REQUIREMENTS) $(NODEPS_REQUIREMENTS)
+# The official OpenAI and Anthropic clients the server's test drives.
+CLIENT_REQUIREMENTS := tests/server/requirements.txt
+ALL_REQUIREMENTS := $(REQUIREMENTS) $(REFERENCE_REQUIREMENTS) $(NODEPS_REQUIREMENTS) $(CLIENT_REQUIREMENTS)
 VENV_STAMP := $(VENV)/.quince-$(shell cat $(ALL_REQUIREMENTS) | cksum | cut -d' ' -f1)
 UNAME := $(shell uname -s)
 # Debian packages the build needs: compilers for the C++ shim, venv support for the wheels,
@@ -26,7 +28,7 @@ CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
 .PHONY: help setup system-deps venv assets ui ui-deps demo-model tauri-driver app-inputs build run chat-once \
-  test test-rust test-ui test-e2e test-bundle lint golden-check fixtures bench-ops bundle bundle-macos bindings clean
+  test test-rust test-server test-ui test-e2e test-bundle lint golden-check fixtures bench-ops bundle bundle-macos bindings clean
 
 help:
 	@echo "make run        set up, build and launch Quince (the demo model is selected on a fresh profile)"
@@ -68,7 +70,8 @@ venv: $(VENV_STAMP)
 
 $(VENV_STAMP): $(ALL_REQUIREMENTS)
 	@test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV_PY) -m pip install -q --disable-pip-version-check -r $(REQUIREMENTS) -r $(REFERENCE_REQUIREMENTS)
+	$(VENV_PY) -m pip install -q --disable-pip-version-check -r $(REQUIREMENTS) -r $(REFERENCE_REQUIREMENTS) \
+	  -r $(CLIENT_REQUIREMENTS)
 	$(VENV_PY) -m pip install -q --disable-pip-version-check --no-deps -r $(NODEPS_REQUIREMENTS)
 	@rm -f $(VENV)/.quince-* && touch $@
 
@@ -150,6 +153,11 @@ else
 	$(CARGO) test --workspace --locked --no-fail-fast
 endif
 
+# The official OpenAI and Anthropic Python clients drive `quince serve` on the trained demo.
+test-server: setup demo-model
+	$(CARGO) build --locked -p quince-cli
+	$(VENV_PY) tests/server/clients.py --quince target/debug/quince --model $(DEMO_MODEL)
+
 # The UI's unit tests (Vitest) and type check.
 test-ui: ui
 	npm run --prefix ui typecheck --silent
@@ -177,7 +185,7 @@ test-bundle: bundle tauri-driver $(UNTRAINED_MODEL)/model.safetensors
 	LD_LIBRARY_PATH=$(DEB_ROOT)/usr/lib/quince/mlx/lib E2E_SHOTS=target/e2e-shots-deb \
 	  tests/e2e/run.sh $(DEB_ROOT)/usr/bin/quince-app
 
-test: setup lint golden-check test-ui test-rust test-e2e test-bundle
+test: setup lint golden-check test-ui test-rust test-server test-e2e test-bundle
 
 # Regenerate the UI's IPC types from the Rust view types (test-rust fails when they are stale).
 bindings:
