@@ -27,7 +27,7 @@ fn prompt(i: usize) -> String {
 
 /// Request `n`: (its prompt, its max_tokens, streamed, abandoned after its first piece).
 fn request(n: usize) -> (usize, usize, bool, bool) {
-    (n % 16, 2 + (n / 16) % 3, n % 2 == 0, n % 8 == 3)
+    (n % 16, 2 + (n / 16) % 3, n.is_multiple_of(2), n % 8 == 3)
 }
 
 /// The engine's own greedy replies, alone, for every (prompt, max_tokens) the load sends.
