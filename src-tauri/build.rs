@@ -33,6 +33,8 @@ const COMMANDS: &[&str] = &[
     "set_network",
     "set_hf_token",
     "app_info",
+    "local_server",
+    "set_local_server",
 ];
 
 fn main() {

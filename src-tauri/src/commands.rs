@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use chat::view::{
     AppInfo, AppSettings, CatalogEntry, CommandError, ConversationDetail, ConversationSummary,
-    DownloadView, ErrorKind, LoadEvent, LoadedModel, ModelEntry, ModelsState, NetworkSettings,
-    PendingAttachment, Settings, StreamEvent, ThreadMessage,
+    DownloadView, ErrorKind, LoadEvent, LoadedModel, LocalServer, ModelEntry, ModelsState,
+    NetworkSettings, PendingAttachment, Settings, StreamEvent, ThreadMessage,
 };
 use tauri::State;
 use tauri::ipc::{Channel, InvokeBody, Request};
@@ -329,4 +329,65 @@ pub fn app_info(state: State<'_, AppState>) -> AppInfo {
             mlx::device::Backend::current().name()
         ),
     }
+}
+
+/// The app setting holding the local server's key.
+const SERVER_KEY: &str = "server_api_key";
+
+/// The local server's key: the stored one, else a new one, stored.
+async fn server_key(state: &AppState) -> CommandResult<String> {
+    let store = state.chat.store();
+    if let Some(key) = store.setting(SERVER_KEY).await.map_err(|e| fail(e.into()))? {
+        return Ok(key);
+    }
+    let key = server::new_api_key();
+    store.set_setting(SERVER_KEY, &key).await.map_err(|e| fail(e.into()))?;
+    Ok(key)
+}
+
+/// What the settings screen shows of the local server.
+async fn server_view(
+    state: &AppState,
+    running: Option<&server::Server>,
+) -> CommandResult<LocalServer> {
+    Ok(LocalServer {
+        running: running.is_some(),
+        url: running.map(server::Server::base_url),
+        api_key: server_key(state).await?,
+        port: running.map_or(server::DEFAULT_PORT, |s| s.addr().port()),
+    })
+}
+
+/// The local server's state.
+#[tauri::command]
+pub async fn local_server(state: State<'_, AppState>) -> CommandResult<LocalServer> {
+    let running = state.server.lock().await;
+    server_view(&state, running.as_ref()).await
+}
+
+/// Starts (on `port`, default 8741, loopback only) or stops the local server, which answers
+/// with the loaded model through the same engine as the chats.
+#[tauri::command]
+pub async fn set_local_server(
+    state: State<'_, AppState>,
+    enabled: bool,
+    port: Option<u16>,
+) -> CommandResult<LocalServer> {
+    let mut running = state.server.lock().await;
+    if let Some(server) = running.take() {
+        server.stop().await;
+        tracing::info!("local server stopped");
+    }
+    if enabled {
+        let options = server::ServeOptions {
+            port: port.unwrap_or(server::DEFAULT_PORT),
+            ..server::ServeOptions::new(server_key(&state).await?)
+        };
+        let started = server::Server::start(state.chat.clone(), options)
+            .await
+            .map_err(|e| fail(chat::Error::Invalid(e.to_string())))?;
+        tracing::info!(url = %started.base_url(), "local server started");
+        *running = Some(started);
+    }
+    server_view(&state, running.as_ref()).await
 }

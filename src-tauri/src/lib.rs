@@ -26,6 +26,8 @@ pub struct AppState {
     pub chat: chat::Chat,
     /// The app's folders.
     pub paths: paths::AppPaths,
+    /// The local server while the settings switch has it on.
+    pub server: tokio::sync::Mutex<Option<server::Server>>,
 }
 
 /// Adds Quince's commands, plugins and the attachment scheme (serving `attachments`) to a
@@ -74,6 +76,8 @@ pub fn builder<R: tauri::Runtime>(
             commands::set_network,
             commands::set_hf_token,
             commands::app_info,
+            commands::local_server,
+            commands::set_local_server,
         ])
 }
 
@@ -103,7 +107,7 @@ pub async fn open_state(
     if let Some(demo) = resources.map(|r| r.join(DEMO_RESOURCE)).filter(|d| d.is_dir()) {
         chat = chat.with_demo_model(demo);
     }
-    Ok(AppState { chat, paths })
+    Ok(AppState { chat, paths, server: Default::default() })
 }
 
 /// Runs the desktop app until its window closes.

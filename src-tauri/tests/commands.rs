@@ -244,3 +244,48 @@ fn the_library_commands_reach_the_catalog_and_respect_the_network_switch() {
     assert_eq!(settings["endpoint"], json!("http://127.0.0.1:9"));
     assert_eq!(call(&f, "pause_download", json!({ "repo": "a/b" })).unwrap(), json!(false));
 }
+
+/// One HTTP/1.1 request over a plain socket: (status, body).
+fn http(url: &str, method: &str, path: &str, key: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let host = url.trim_start_matches("http://").split('/').next().unwrap().to_string();
+    let mut socket = std::net::TcpStream::connect(&host).unwrap();
+    let request = format!(
+        "{method} /v1{path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).unwrap();
+    let status = response.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+#[test]
+fn the_local_server_switch_starts_and_stops_a_server_of_the_loaded_model() {
+    let f = app();
+    let off = call(&f, "local_server", json!({})).unwrap();
+    assert_eq!((off["running"].clone(), off["url"].clone()), (json!(false), Value::Null));
+    let key = off["api_key"].as_str().unwrap().to_string();
+    assert!(key.starts_with("qk-") && key.len() > 20, "{key}");
+    load_demo(&f);
+    let on = call(&f, "set_local_server", json!({ "enabled": true, "port": 0 })).unwrap();
+    assert_eq!(on["running"], json!(true));
+    assert_eq!(on["api_key"], json!(key), "the key stays the same");
+    let url = on["url"].as_str().unwrap().to_string();
+    assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+    let (status, models) = http(&url, "GET", "/models", &key, "");
+    assert_eq!(status, 200, "{models}");
+    assert!(models.contains("\"object\":\"model\""), "{models}");
+    let body = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":3}"#;
+    let (status, reply) = http(&url, "POST", "/chat/completions", &key, body);
+    assert_eq!(status, 200, "{reply}");
+    assert!(reply.contains("\"completion_tokens\":3"), "{reply}");
+    assert_eq!(http(&url, "GET", "/models", "wrong", "").0, 401);
+    let stopped = call(&f, "set_local_server", json!({ "enabled": false })).unwrap();
+    assert_eq!(stopped["running"], json!(false));
+    let host = url.trim_start_matches("http://").split('/').next().unwrap().to_string();
+    assert!(std::net::TcpStream::connect(host).is_err(), "the port is closed again");
+}

@@ -4,6 +4,7 @@
 //   node tests/e2e/app.e2e.mjs   (tests/e2e/run.sh sets up Xvfb, tauri-driver and a profile)
 
 import assert from "node:assert/strict";
+import { execFileSync, spawnSync } from "node:child_process";
 import { mkdirSync, writeFileSync } from "node:fs";
 import { join, resolve } from "node:path";
 import { Keys, Session } from "./webdriver.mjs";
@@ -369,6 +370,38 @@ async function main() {
     assert.match(last(ran, "assistant").stats, /4-bit/);
     assert.deepEqual(await replying(), []);
     await shot(s, "waiting-reply-ran");
+
+    // The local server: the switch in the model library serves the loaded model, curl gets a
+    // reply from it while the app runs (and 401 without the key), and the switch stops it.
+    await (await s.find('[data-testid="models-button"]')).click();
+    await (await s.waitForElement('[data-testid="local-server"] summary')).click();
+    await (await s.waitForElement('[data-testid="local-server-enabled"]')).click();
+    const server = await s.waitFor("the server's URL and key", async () => s.execute(`
+      const url = document.querySelector('[data-testid="local-server-url"]')?.innerText;
+      const key = document.querySelector('[data-testid="local-server-key"]')?.innerText;
+      return url && key ? { url, key } : null;`));
+    await s.execute(`document.querySelector('[data-testid="local-server-key"]').scrollIntoView()`);
+    await shot(s, "local-server-on");
+    const curl = (path, ...args) => {
+      const out = execFileSync("curl", ["-s", "-w", "\n%{http_code}", `${server.url}${path}`, ...args],
+        { encoding: "utf8" });
+      const at = out.lastIndexOf("\n");
+      return { body: out.slice(0, at), code: out.slice(at + 1) };
+    };
+    const asked = curl("/chat/completions", "-H", `Authorization: Bearer ${server.key}`,
+      "-H", "Content-Type: application/json",
+      "-d", JSON.stringify({ messages: [{ role: "user", content: "Hello over HTTP." }], max_tokens: 4 }));
+    assert.equal(asked.code, "200", asked.body);
+    const answer = JSON.parse(asked.body);
+    assert.equal(typeof answer.choices[0].message.content, "string", asked.body);
+    assert.ok(answer.usage.completion_tokens > 0, asked.body);
+    assert.equal(curl("/models").code, "401");
+    await (await s.find('[data-testid="local-server-enabled"]')).click();
+    await s.waitFor("the server to stop", async () =>
+      s.execute(`return document.querySelector('[data-testid="local-server-url"]') === null`));
+    const refused = spawnSync("curl", ["-s", "-o", "/dev/null", `${server.url}/models`]);
+    assert.notEqual(refused.status, 0, "nothing listens once the switch is off");
+    await shot(s, "local-server-off");
   } finally {
     await s.quit();
   }

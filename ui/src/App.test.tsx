@@ -1,7 +1,7 @@
 // @vitest-environment jsdom
 // A smoke test of the whole UI over a fake backend (the Tauri IPC is mocked).
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { act, cleanup, fireEvent, render, screen, waitFor, within } from "@testing-library/react";
+import { act, cleanup, configure, fireEvent, render, screen, waitFor, within } from "@testing-library/react";
 import type {
   CatalogEntry,
   ConversationDetail,
@@ -35,6 +35,10 @@ vi.mock("@tauri-apps/api/core", () => {
 vi.mock("@tauri-apps/plugin-dialog", () => ({ open: async () => null }));
 
 const { App } = await import("./App");
+
+// The waits usually pass in milliseconds; the default second was once too short on a busy
+// 2-core runner.
+configure({ asyncUtilTimeout: 5000 });
 
 let conv: ConversationDetail;
 
@@ -503,6 +507,7 @@ describe("Model library downloads", () => {
     handlers.set("catalog", () => CATALOG);
     handlers.set("list_downloads", () => []);
     handlers.set("network_settings", () => NETWORK);
+    handlers.set("local_server", () => ({ running: false, url: null, api_key: "qk-1", port: 8741 }));
   });
 
   it("shows the recommended models with their size and fit", async () => {
@@ -530,6 +535,56 @@ describe("Model library downloads", () => {
     // The network settings: on, and where a token would be kept.
     expect((screen.getByTestId("network-enabled") as HTMLInputElement).checked).toBe(true);
     expect(screen.getByTestId("token-store").textContent).toContain("macOS Keychain");
+  });
+
+  it("turns the local server on and off and shows its URL and key", async () => {
+    const calls: unknown[] = [];
+    let running = false;
+    const state = () => ({
+      running,
+      url: running ? "http://127.0.0.1:8741/v1" : null,
+      api_key: "qk-0123456789abcdef",
+      port: 8741,
+    });
+    handlers.set("local_server", state);
+    handlers.set("set_local_server", (a) => {
+      calls.push(a);
+      running = (a as { enabled: boolean }).enabled;
+      return state();
+    });
+    await openModels();
+    const toggle = screen.getByTestId("local-server-enabled") as HTMLInputElement;
+    await waitFor(() => expect(toggle.disabled).toBe(false));
+    expect(toggle.checked).toBe(false);
+    expect(screen.queryByTestId("local-server-url")).toBeNull();
+    await act(async () => {
+      fireEvent.click(toggle);
+    });
+    await waitFor(() => expect(screen.getByTestId("local-server-url").textContent).toBe("http://127.0.0.1:8741/v1"));
+    expect(screen.getByTestId("local-server-key").textContent).toBe("qk-0123456789abcdef");
+    await act(async () => {
+      fireEvent.click(screen.getByTestId("local-server-enabled"));
+    });
+    await waitFor(() => expect(screen.queryByTestId("local-server-url")).toBeNull());
+    expect(calls).toEqual([
+      { enabled: true, port: 8741 },
+      { enabled: false, port: 8741 },
+    ]);
+  });
+
+  it("says why the local server did not start", async () => {
+    handlers.set("local_server", () => ({ running: false, url: null, api_key: "qk-1", port: 8741 }));
+    handlers.set("set_local_server", () => {
+      throw { kind: "invalid", message: "cannot listen on 127.0.0.1:8741: address in use" };
+    });
+    await openModels();
+    const toggle = screen.getByTestId("local-server-enabled") as HTMLInputElement;
+    await waitFor(() => expect(toggle.disabled).toBe(false));
+    await act(async () => {
+      fireEvent.click(toggle);
+    });
+    await waitFor(() => expect(screen.getByTestId("local-server-error").textContent).toContain("address in use"));
+    expect((screen.getByTestId("local-server-enabled") as HTMLInputElement).checked).toBe(false);
   });
 
   it("searches the hub and goes back to the recommended list", async () => {

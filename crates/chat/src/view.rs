@@ -504,6 +504,19 @@ pub struct CommandError {
     pub message: String,
 }
 
+/// The local server (OpenAI- and Anthropic-compatible), for the settings screen.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
+pub struct LocalServer {
+    /// Whether it is serving.
+    pub running: bool,
+    /// Its base URL while it runs (`http://127.0.0.1:8741/v1`).
+    pub url: Option<String>,
+    /// The key clients send (`Authorization: Bearer KEY`), kept across launches.
+    pub api_key: String,
+    /// The port it listens on, or would.
+    pub port: u16,
+}
+
 /// About the app, for the settings screen and bug reports.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, TS)]
 pub struct AppInfo {
@@ -554,6 +567,7 @@ pub fn typescript_bindings() -> String {
         NetworkSettings::decl(&config),
         CommandError::decl(&config),
         AppInfo::decl(&config),
+        LocalServer::decl(&config),
     ];
     let mut out = String::from(
         "// Generated from the Rust types in crates/chat/src/view.rs by\n\

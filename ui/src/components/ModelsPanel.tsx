@@ -2,6 +2,7 @@ import type { LoadedModel, ModelEntry, ModelSource } from "../ipc/bindings";
 import { formatBytes } from "../state/attachments";
 import type { Downloads } from "../state/useDownloads";
 import { DownloadsSection } from "./DownloadsSection";
+import { LocalServerSettings } from "./LocalServerSettings";
 import { Modal } from "./Modal";
 
 const SOURCE_LABEL: Record<ModelSource, string> = {
@@ -91,6 +92,7 @@ export function ModelsPanel({
           </button>
         </div>
         <DownloadsSection downloads={downloads} />
+        <LocalServerSettings />
       </div>
     </Modal>
   );

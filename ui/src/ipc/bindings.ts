@@ -655,3 +655,21 @@ log_dir: string,
  * The MLX device.
  */
 device: string, };
+
+export type LocalServer = { 
+/**
+ * Whether it is serving.
+ */
+running: boolean, 
+/**
+ * Its base URL while it runs (`http://127.0.0.1:8741/v1`).
+ */
+url: string | null, 
+/**
+ * The key clients send (`Authorization: Bearer KEY`), kept across launches.
+ */
+api_key: string, 
+/**
+ * The port it listens on, or would.
+ */
+port: number, };

@@ -7,6 +7,7 @@ import type {
   CatalogEntry,
   CommandError,
   DownloadView,
+  LocalServer,
   ConversationDetail,
   ConversationSummary,
   ErrorKind,
@@ -235,4 +236,14 @@ export function setAppSettings(settings: AppSettings): Promise<AppSettings> {
 
 export function appInfo(): Promise<AppInfo> {
   return invoke("app_info");
+}
+
+/** The local server: whether it runs, its URL and key. */
+export function localServer(): Promise<LocalServer> {
+  return invoke("local_server");
+}
+
+/** Starts or stops the local server (loopback only). */
+export function setLocalServer(enabled: boolean, port: number | null = null): Promise<LocalServer> {
+  return invoke("set_local_server", { enabled, port });
 }
