@@ -51,6 +51,19 @@ impl Fixture {
         (status, response.json().await.unwrap())
     }
 
+    /// The raw text of a (streamed) reply to `body`, sent with `header: KEY`.
+    async fn post_text(&self, path: &str, header: &str, body: &Value) -> String {
+        let value = if header == "authorization" { format!("Bearer {KEY}") } else { KEY.into() };
+        let response = reqwest::Client::new()
+            .post(self.url(path))
+            .header(header, value)
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        response.text().await.unwrap()
+    }
+
     async fn stop(self) {
         self.server.stop().await;
         self.chat.shutdown();
@@ -139,16 +152,7 @@ async fn streams_end_with_done_and_carry_usage_when_asked() {
     let mut body = chat_body("Stream to me.", 5);
     body["stream"] = json!(true);
     body["stream_options"] = json!({ "include_usage": true });
-    let text = reqwest::Client::new()
-        .post(f.url("/chat/completions"))
-        .bearer_auth(KEY)
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = f.post_text("/chat/completions", "authorization", &body).await;
     let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
     let chunks: Vec<Value> =
@@ -250,16 +254,7 @@ async fn anthropic_messages_answer_as_the_engine_does_and_stream_their_events() 
     assert_eq!(reply["usage"]["output_tokens"], 6);
     let mut streaming = body.clone();
     streaming["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(f.url("/messages"))
-        .header("x-api-key", KEY)
-        .json(&streaming)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = f.post_text("/messages", "x-api-key", &streaming).await;
     let names: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
     assert_eq!(names.first(), Some(&"message_start"), "{text}");
     assert_eq!(&names[names.len() - 3..], ["content_block_stop", "message_delta", "message_stop"]);
