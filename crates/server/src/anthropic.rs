@@ -19,15 +19,12 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::error::{ApiError, parse_body};
-use crate::openai::{Step, model_id, stream_of};
+use crate::openai::{Step, loaded_id, stream_of};
 use crate::run::{self, new_id};
 use crate::{AppState, Shared, content};
 
 #[derive(Debug, Deserialize)]
 struct MessagesRequest {
-    #[serde(default)]
-    #[allow(dead_code)]
-    model: Option<String>,
     max_tokens: usize,
     messages: Vec<Message>,
     #[serde(default)]
@@ -104,9 +101,7 @@ async fn inner(
     if request.max_tokens == 0 {
         return Err(ApiError::invalid("max_tokens must be at least 1"));
     }
-    let model = shared.chat.loaded().map(|m| model_id(&m)).ok_or_else(|| {
-        ApiError::from_kind(chat::view::ErrorKind::ModelMissing, "no model is loaded")
-    })?;
+    let model = loaded_id(&shared)?;
     let messages = turn_messages(&shared, request.system, request.messages).await?;
     let temperature = request.temperature.unwrap_or(1.0);
     if !(0.0..=1.0).contains(&temperature) {
@@ -203,32 +198,19 @@ async fn turn_messages(
             Content::Blocks(blocks) => {
                 for block in blocks {
                     match block {
-                        Block::Text { text } => {
-                            if !turn.text.is_empty() {
-                                turn.text.push('\n');
-                            }
-                            turn.text.push_str(&text);
-                        }
+                        Block::Text { text } => content::push_text(&mut turn, &text),
                         Block::Image { source } => {
                             images += 1;
-                            if role != "user" {
-                                return Err(ApiError::invalid(
-                                    "images are taken in user messages only",
-                                ));
-                            }
                             let bytes = match source {
                                 ImageSource::Base64 { data } => {
-                                    content::decode_base64(&data, images)?
+                                    content::decode_base64(&data, images)
                                 }
-                                ImageSource::Url {} => {
-                                    return Err(ApiError::invalid(format!(
-                                        "image {images}: send images as base64; the server \
-                                         fetches nothing from the network"
-                                    )));
-                                }
+                                ImageSource::Url {} => Err(ApiError::invalid(format!(
+                                    "image {images}: send images as base64; the server \
+                                     fetches nothing from the network"
+                                ))),
                             };
-                            turn.images
-                                .push(content::import_image(&shared.chat, &bytes, images).await?);
+                            content::push_image(&shared.chat, &mut turn, images, bytes).await?;
                         }
                     }
                 }

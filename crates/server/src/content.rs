@@ -5,15 +5,38 @@ use std::path::PathBuf;
 
 use base64::Engine as _;
 use chat::Chat;
+use engine::turn::TurnMessage;
 
 use crate::error::ApiError;
 
 /// The image in `bytes` (image number `n` of the request), checked to decode and stored.
-pub(crate) async fn import_image(chat: &Chat, bytes: &[u8], n: usize) -> Result<PathBuf, ApiError> {
+async fn import_image(chat: &Chat, bytes: &[u8], n: usize) -> Result<PathBuf, ApiError> {
     let name = format!("image {n}");
     let imported =
         chat.import_attachment(bytes, &name).await.map_err(|e| ApiError::from_chat(&e))?;
     Ok(chat.attachments_dir().join(imported.file))
+}
+
+/// Appends a text part to `turn`, a line apart from the text it holds.
+pub(crate) fn push_text(turn: &mut TurnMessage, text: &str) {
+    if !turn.text.is_empty() {
+        turn.text.push('\n');
+    }
+    turn.text.push_str(text);
+}
+
+/// Adds image `n` of the request (its bytes) to `turn`, which must be a user message.
+pub(crate) async fn push_image(
+    chat: &Chat,
+    turn: &mut TurnMessage,
+    n: usize,
+    bytes: Result<Vec<u8>, ApiError>,
+) -> Result<(), ApiError> {
+    if turn.role != "user" {
+        return Err(ApiError::invalid("images are taken in user messages only"));
+    }
+    turn.images.push(import_image(chat, &bytes?, n).await?);
+    Ok(())
 }
 
 /// Decodes base64 image data (whitespace allowed, as some clients wrap lines).

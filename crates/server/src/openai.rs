@@ -146,8 +146,6 @@ struct ImageUrl {
 
 #[derive(Debug, Deserialize)]
 struct ChatRequest {
-    #[serde(default)]
-    model: Option<String>,
     messages: Vec<Message>,
     #[serde(default)]
     tools: Option<Vec<Value>>,
@@ -186,22 +184,11 @@ async fn turn_messages(
             Some(MessageContent::Parts(parts)) => {
                 for part in parts {
                     match part {
-                        Part::Text { text } => {
-                            if !turn.text.is_empty() {
-                                turn.text.push('\n');
-                            }
-                            turn.text.push_str(&text);
-                        }
+                        Part::Text { text } => content::push_text(&mut turn, &text),
                         Part::ImageUrl { image_url } => {
                             images += 1;
-                            if role != "user" {
-                                return Err(ApiError::invalid(
-                                    "images are taken in user messages only",
-                                ));
-                            }
-                            let bytes = content::data_url_bytes(&image_url.url, images)?;
-                            turn.images
-                                .push(content::import_image(&shared.chat, &bytes, images).await?);
+                            let bytes = content::data_url_bytes(&image_url.url, images);
+                            content::push_image(&shared.chat, &mut turn, images, bytes).await?;
                         }
                     }
                 }
@@ -243,7 +230,7 @@ async fn chat_inner(
             "response_format other than text is not supported by this server yet",
         ));
     }
-    let model = loaded_id(&shared, request.model.as_deref())?;
+    let model = loaded_id(&shared)?;
     let messages = turn_messages(&shared, request.messages).await?;
     let stream = request.options.stream;
     let include_usage = request.options.stream_options.as_ref().is_some_and(|o| o.include_usage);
@@ -271,8 +258,8 @@ async fn chat_inner(
 }
 
 /// The loaded model's id; 503 when none is loaded.
-fn loaded_id(shared: &Shared, _asked: Option<&str>) -> Result<String, ApiError> {
-    // Any model name is answered by the loaded model, as LM Studio does with one loaded.
+/// Any model name is answered by the loaded model, as LM Studio does with one loaded.
+pub(crate) fn loaded_id(shared: &Shared) -> Result<String, ApiError> {
     shared.chat.loaded().map(|m| model_id(&m)).ok_or_else(|| {
         ApiError::from_kind(chat::view::ErrorKind::ModelMissing, "no model is loaded")
     })
@@ -370,8 +357,6 @@ pub(crate) fn stream_of(
 /// `POST /v1/completions`: a raw prompt (text, or token ids), no template.
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
-    #[serde(default)]
-    model: Option<String>,
     prompt: RawPrompt,
     #[serde(flatten)]
     options: Options,
@@ -400,7 +385,7 @@ async fn completions_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let request: CompletionRequest = parse_body(body)?;
-    let model = loaded_id(&shared, request.model.as_deref())?;
+    let model = loaded_id(&shared)?;
     let prompt = match request.prompt {
         RawPrompt::Text(text) if text.is_empty() => {
             return Err(ApiError::invalid("prompt is empty"));
