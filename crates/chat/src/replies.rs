@@ -69,6 +69,7 @@ impl Chat {
                 role: m.role.as_str().to_string(),
                 text: m.content.clone(),
                 images,
+                ..TurnMessage::default()
             });
         }
         if let Some(Pending::Message(message)) = pending {
@@ -234,7 +235,12 @@ impl Chat {
         if extras(&chat.settings).0 {
             return Err(Error::Invalid("this conversation takes token ids, not text".into()));
         }
-        let message = TurnMessage { role: "user".into(), text: text.into(), images: paths.clone() };
+        let message = TurnMessage {
+            role: "user".into(),
+            text: text.into(),
+            images: paths.clone(),
+            ..TurnMessage::default()
+        };
         self.check_reply(conversation, chat.current_leaf_id, Some(Pending::Message(message)))
             .await?;
         let user = self
@@ -350,7 +356,12 @@ impl Chat {
             return Err(Error::Invalid("the message is empty".into()));
         }
         let files = attachments.iter().map(|a| self.attachments_dir().join(&a.path)).collect();
-        let message = TurnMessage { role: "user".into(), text: text.into(), images: files };
+        let message = TurnMessage {
+            role: "user".into(),
+            text: text.into(),
+            images: files,
+            ..TurnMessage::default()
+        };
         self.check_reply(old.conversation_id, old.parent_id, Some(Pending::Message(message)))
             .await?;
         let edited = self

@@ -106,6 +106,7 @@ impl GenerateArgs {
                     role: "user".into(),
                     text: text.clone().unwrap_or_default(),
                     images: self.image.clone(),
+                    ..TurnMessage::default()
                 });
                 Prompt::Messages(messages)
             }

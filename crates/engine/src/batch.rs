@@ -316,7 +316,7 @@ impl<'m> Batch<'m> {
         mut drafting: Option<Drafting>,
     ) -> Result<Vec<BatchEvent>> {
         self.check_joins(id, &caches)?;
-        let mut sampler = Sampler::new(request.sampling.clone())?;
+        let mut sampler = Sampler::for_request(request)?;
         let (logits, start) = crate::generate::start(self.model, &mut caches, request)?;
         if let Some(d) = &mut drafting
             && request.max_tokens > 0
@@ -420,7 +420,7 @@ impl<'m> Batch<'m> {
                     let prompt = &request.prompt;
                     crate::generate::check_prompt(self.model, 0, prompt, request.max_tokens)
                 })
-                .and_then(|()| Sampler::new(request.sampling.clone()));
+                .and_then(|()| Sampler::for_request(&request));
             match checked {
                 Ok(_) if cohort.iter().any(|a| a.id == id) => {
                     results[index] =

@@ -29,6 +29,8 @@ pub struct GenerateRequest {
     /// Image features `[n_i, hidden]` (from `Model::encode_image`), filling the prompt's runs
     /// of image tokens in order.
     pub images: Vec<Array>,
+    /// What the reply must match (sampling masks the logits to it).
+    pub constraint: Option<crate::constrain::Grammar>,
 }
 
 impl GenerateRequest {
@@ -41,6 +43,7 @@ impl GenerateRequest {
             stop_tokens: Vec::new(),
             prefill_step: 512,
             images: Vec::new(),
+            constraint: None,
         }
     }
 }
@@ -443,7 +446,7 @@ pub fn generate(
     request: &GenerateRequest,
     on_token: impl FnMut(u32) -> Flow,
 ) -> Result<Generation> {
-    let mut sampler = Sampler::new(request.sampling.clone())?;
+    let mut sampler = Sampler::for_request(request)?;
     let pipelined =
         request.sampling.repetition_penalty == 1.0 && request.sampling.presence_penalty == 0.0;
     let (logits, start) = self::start(model, caches, request)?;

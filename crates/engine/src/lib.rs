@@ -48,6 +48,7 @@ pub mod batch;
 pub mod cache;
 pub mod checkpoint;
 pub mod compiled;
+pub mod constrain;
 pub mod demo;
 mod error;
 pub mod generate;
@@ -62,6 +63,7 @@ pub mod sampling;
 pub mod speculative;
 pub mod tokenizer;
 pub mod tokens;
+pub mod tools;
 pub mod turn;
 pub mod vision;
 

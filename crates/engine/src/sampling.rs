@@ -7,7 +7,9 @@
 
 use mlx::{Array, Dtype, ops, random};
 
+use crate::constrain::Grammar;
 use crate::error::{Error, Result};
+use crate::generate::GenerateRequest;
 
 /// Sampling settings, as a chat app exposes them.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,6 +75,7 @@ pub struct Sampler {
     params: SamplingParams,
     key: Array,
     step: u64,
+    grammar: Option<Grammar>,
 }
 
 impl Sampler {
@@ -80,7 +83,14 @@ impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Sampler> {
         params.validate()?;
         let key = random::key(params.seed)?;
-        Ok(Sampler { params, key, step: 0 })
+        Ok(Sampler { params, key, step: 0, grammar: None })
+    }
+
+    /// The sampler of `request`: its settings and its output constraint.
+    pub fn for_request(request: &GenerateRequest) -> Result<Sampler> {
+        let mut sampler = Sampler::new(request.sampling.clone())?;
+        sampler.grammar = request.constraint.clone();
+        Ok(sampler)
     }
 
     /// The settings.
@@ -90,7 +100,22 @@ impl Sampler {
 
     /// Picks the next token from `logits` `[1, V]`; `history` is every token so far (prompt
     /// and reply) for the penalties.
+    ///
+    /// A constrained sampler picks among the tokens its grammar allows, and waits for the
+    /// pick to feed it to the grammar.
     pub fn sample(&mut self, logits: &Array, history: &[u32]) -> Result<Array> {
+        let Some(grammar) = self.grammar.as_mut() else { return self.draw(logits, history) };
+        let vocab = logits.dim(-1)?;
+        let mask = grammar.mask(vocab as usize)?;
+        let logits = logits.astype(Dtype::Float32)?.add(&Array::from_slice(&mask, &[1, vocab])?)?;
+        let token = self.draw(&logits, history)?.item::<u32>()?;
+        if let Some(grammar) = self.grammar.as_mut() {
+            grammar.accept(token)?;
+        }
+        Ok(Array::from_slice(&[token], &[1])?)
+    }
+
+    fn draw(&mut self, logits: &Array, history: &[u32]) -> Result<Array> {
         let p = &self.params;
         let mut logits = logits.astype(Dtype::Float32)?;
         if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 {

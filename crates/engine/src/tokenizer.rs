@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::checkpoint::read_json;
+use crate::constrain::Vocabulary;
 use crate::error::{Error, Result};
 
 /// Markers that end an assistant turn in common chat templates; the ones present in a
@@ -37,6 +38,14 @@ pub struct Message {
     pub role: String,
     /// A string, or a list of parts when the message has images.
     pub content: Content,
+    /// An assistant message's calls, OpenAI's shape
+    /// (`{"id", "type": "function", "function": {"name", "arguments"}}`, the arguments an
+    /// object).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<Value>,
+    /// A `tool` message's answer to the call of this id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 /// Message content: plain text or typed parts.
@@ -52,18 +61,54 @@ pub enum Content {
 impl Message {
     /// A text message.
     pub fn text(role: &str, text: &str) -> Message {
-        Message { role: role.into(), content: Content::Text(text.into()) }
+        Message::with(role, Content::Text(text.into()))
     }
+
+    /// A message of `content`, without tool calls.
+    pub fn with(role: &str, content: Content) -> Message {
+        Message { role: role.into(), content, tool_calls: Vec::new(), tool_call_id: None }
+    }
+}
+
+/// The chat template of the checkpoint or tokenizer folder `dir`: `chat_template.jinja`, else
+/// `tokenizer_config.json`'s (`None`: neither has one).
+pub fn read_template(dir: &Path) -> Result<Option<String>> {
+    let config = dir.join("tokenizer_config.json");
+    let config = if config.is_file() { read_json(&config)? } else { Value::Null };
+    template_of(dir, &config)
+}
+
+fn template_of(dir: &Path, tokenizer_config: &Value) -> Result<Option<String>> {
+    let template_file = dir.join("chat_template.jinja");
+    if template_file.is_file() {
+        return std::fs::read_to_string(&template_file)
+            .map(Some)
+            .map_err(|source| Error::Io { path: template_file, source });
+    }
+    Ok(match tokenizer_config.get("chat_template") {
+        Some(Value::String(t)) => Some(t.clone()),
+        // A list of named templates: take "default".
+        Some(Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        _ => None,
+    })
 }
 
 /// A tokenizer with its chat template and special tokens.
 #[derive(Debug)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    file: std::path::PathBuf,
     template: Option<String>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     stop_tokens: Vec<u32>,
+    /// The vocabulary as the grammar engine reads it, built on first use.
+    vocabulary: std::sync::OnceLock<std::result::Result<Vocabulary, String>>,
 }
 
 fn token_string(config: &Value, key: &str) -> Option<String> {
@@ -103,25 +148,7 @@ impl Tokenizer {
         let tokenizer_config = optional("tokenizer_config.json")?;
         let generation_config = optional("generation_config.json")?;
         let model_config = optional("config.json")?;
-        let template_file = dir.join("chat_template.jinja");
-        let template = if template_file.is_file() {
-            Some(
-                std::fs::read_to_string(&template_file)
-                    .map_err(|source| Error::Io { path: template_file, source })?,
-            )
-        } else {
-            match tokenizer_config.get("chat_template") {
-                Some(Value::String(t)) => Some(t.clone()),
-                // A list of named templates: take "default".
-                Some(Value::Array(list)) => list
-                    .iter()
-                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                    .and_then(|t| t.get("template"))
-                    .and_then(Value::as_str)
-                    .map(str::to_string),
-                _ => None,
-            }
-        };
+        let template = template_of(dir, &tokenizer_config)?;
         let bos_token = token_string(&tokenizer_config, "bos_token");
         let eos_token = token_string(&tokenizer_config, "eos_token");
         let mut stop_tokens = ids_of(generation_config.get("eos_token_id"));
@@ -141,7 +168,15 @@ impl Tokenizer {
         }
         stop_tokens.sort_unstable();
         stop_tokens.dedup();
-        Ok(Some(Tokenizer { inner, template, bos_token, eos_token, stop_tokens }))
+        Ok(Some(Tokenizer {
+            inner,
+            file,
+            template,
+            bos_token,
+            eos_token,
+            stop_tokens,
+            vocabulary: Default::default(),
+        }))
     }
 
     /// Token ids of `text`; `add_special_tokens` adds what the tokenizer's post-processor adds
@@ -172,9 +207,37 @@ impl Tokenizer {
         &self.stop_tokens
     }
 
+    /// The vocabulary for constrained decoding (built on first use: a trie of every token's
+    /// bytes).
+    pub fn vocabulary(&self) -> Result<Vocabulary> {
+        let built = self.vocabulary.get_or_init(|| {
+            let json = read_json(&self.file).map_err(|e| e.to_string())?;
+            // The end-of-turn marker first: what a finished grammar emits.
+            let mut stops: Vec<u32> = END_OF_TURN_MARKERS
+                .iter()
+                .filter_map(|m| self.inner.token_to_id(m))
+                .filter(|id| self.stop_tokens.contains(id))
+                .collect();
+            stops.extend(
+                self.stop_tokens
+                    .iter()
+                    .filter(|id| !stops.contains(id))
+                    .copied()
+                    .collect::<Vec<_>>(),
+            );
+            Vocabulary::new(&json, self.inner.clone(), &stops).map_err(|e| e.to_string())
+        });
+        built.clone().map_err(|message| Error::Config { file: "tokenizer.json".into(), message })
+    }
+
     /// Whether a chat template is available.
     pub fn has_chat_template(&self) -> bool {
         self.template.is_some()
+    }
+
+    /// The chat template's source.
+    pub fn template(&self) -> Option<&str> {
+        self.template.as_deref()
     }
 
     /// Whether the chat template takes `enable_thinking` (Qwen's: thinking on or off).
@@ -185,6 +248,11 @@ impl Tokenizer {
     /// Renders the chat template over `messages`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
         self.render_with(messages, add_generation_prompt, &TemplateOptions::default())
+    }
+
+    /// Whether the chat template renders tools itself (else they go in as a system prompt).
+    pub fn renders_tools(&self) -> bool {
+        crate::tools::renders_tools(self.template.as_deref())
     }
 
     /// Renders the chat template over `messages` with `options`.
@@ -198,6 +266,21 @@ impl Tokenizer {
             .template
             .as_deref()
             .ok_or_else(|| Error::InvalidRequest("this tokenizer has no chat template".into()))?;
+        let uses_tools = !options.tools.is_empty()
+            || messages.iter().any(|m| !m.tool_calls.is_empty() || m.role == "tool");
+        if uses_tools && !self.renders_tools() {
+            let messages = crate::tools::fallback(messages.to_vec(), &options.tools);
+            let options = TemplateOptions { tools: Vec::new(), ..options.clone() };
+            return render_template(
+                template,
+                &messages,
+                add_generation_prompt,
+                self.bos_token.as_deref(),
+                self.eos_token.as_deref(),
+                &chrono::Local::now(),
+                &options,
+            );
+        }
         render_template(
             template,
             messages,
@@ -223,11 +306,15 @@ impl Tokenizer {
 }
 
 /// What a chat template is rendered with besides the messages.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct TemplateOptions {
     /// `enable_thinking` (Qwen's templates): `None` leaves it undefined, the template's
     /// default.
     pub enable_thinking: Option<bool>,
+    /// The tools the model may call (OpenAI's `{"type": "function", "function": {...}}`):
+    /// the template's `tools`, or a system prompt where the template has none
+    /// ([`crate::tools::fallback`]).
+    pub tools: Vec<Value>,
 }
 
 /// Renders a Hugging Face chat template the way `transformers` does (trim_blocks and
@@ -252,6 +339,7 @@ pub fn render_template(
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
         },
     );
+    env.add_filter("tojson", python_tojson);
     let now = *now;
     env.add_function("strftime_now", move |format: String| -> String {
         now.format(&format).to_string()
@@ -265,11 +353,73 @@ pub fn render_template(
         bos_token => bos_token.unwrap_or_default(),
         eos_token => eos_token.unwrap_or_default(),
     };
+    let base = match options.tools.is_empty() {
+        true => base,
+        false => context! { tools => JinjaValue::from_serialize(&options.tools), ..base },
+    };
     let context = match options.enable_thinking {
         Some(thinking) => context! { enable_thinking => thinking, ..base },
         None => base,
     };
     tmpl.render(context).map_err(failed)
+}
+
+/// `tojson` as `transformers` defines it for chat templates: Python's `json.dumps` (keys in
+/// their order, `", "` and `": "` between items, non-ASCII as is, `indent=` for a pretty
+/// print), not minijinja's compact, HTML-escaped form.
+fn python_tojson(
+    value: &JinjaValue,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<JinjaValue, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let formatter = serde_json::ser::PrettyFormatter::with_indent(&pad);
+            serde::Serialize::serialize(
+                value,
+                &mut serde_json::Serializer::with_formatter(&mut out, formatter),
+            )
+        }
+        None => serde::Serialize::serialize(
+            value,
+            &mut serde_json::Serializer::with_formatter(&mut out, PythonJson),
+        ),
+    };
+    written.map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let text = String::from_utf8(out)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(JinjaValue::from_safe_string(text))
+}
+
+/// `json.dumps`'s default separators.
+struct PythonJson;
+
+impl serde_json::ser::Formatter for PythonJson {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { writer.write_all(b", ") }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { writer.write_all(b", ") }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        writer.write_all(b": ")
+    }
 }
 
 /// Turns a stream of token ids into text increments and watches for stop strings.
@@ -280,19 +430,53 @@ pub struct TextStream<'a> {
     emitted: usize,
     stop_strings: Vec<String>,
     text: String,
+    /// Special tokens written into the text.
+    keep: Vec<u32>,
 }
 
 impl<'a> TextStream<'a> {
     /// A stream that stops at any of `stop_strings`.
     pub fn new(tokenizer: &'a Tokenizer, stop_strings: Vec<String>) -> TextStream<'a> {
-        TextStream { tokenizer, ids: Vec::new(), emitted: 0, stop_strings, text: String::new() }
+        TextStream {
+            tokenizer,
+            ids: Vec::new(),
+            emitted: 0,
+            stop_strings,
+            text: String::new(),
+            keep: Vec::new(),
+        }
+    }
+
+    /// Also writes these special tokens into the text (a model's tool-call markers, which
+    /// the reply's reader needs to see); other special tokens stay out of it.
+    pub fn keeping(mut self, special: Vec<u32>) -> TextStream<'a> {
+        self.keep = special;
+        self
+    }
+
+    /// The text of the ids so far: special tokens left out, but for those kept.
+    fn decode(&self) -> Result<String> {
+        if self.keep.is_empty() {
+            return self.tokenizer.decode(&self.ids, true);
+        }
+        let mut text = String::new();
+        for piece in self.ids.split_inclusive(|id| self.keep.contains(id)) {
+            match piece.split_last() {
+                Some((last, before)) if self.keep.contains(last) => {
+                    text.push_str(&self.tokenizer.decode(before, true)?);
+                    text.push_str(&self.tokenizer.decode(&[*last], false)?);
+                }
+                _ => text.push_str(&self.tokenizer.decode(piece, true)?),
+            }
+        }
+        Ok(text)
     }
 
     /// Adds a token; returns the new text that is safe to show (held back while a multi-byte
     /// character or a possible stop string is incomplete) and whether a stop string appeared.
     pub fn push(&mut self, id: u32) -> Result<(String, bool)> {
         self.ids.push(id);
-        let full = self.tokenizer.decode(&self.ids, true)?;
+        let full = self.decode()?;
         if let Some(at) = self.stop_strings.iter().filter_map(|s| full.find(s.as_str())).min() {
             let fresh = full.get(self.emitted..at).unwrap_or_default().to_string();
             self.emitted = at.max(self.emitted);
@@ -374,9 +558,6 @@ mod tests {
     fn image_parts_reach_the_template() {
         let parts = Content::Parts(vec![Part::Image, Part::Text { text: "what?".into() }]);
         let template = "{% for p in messages[0].content %}{% if p.type == 'image' %}<img>{% else %}{{ p.text }}{% endif %}{% endfor %}";
-        assert_eq!(
-            render(template, &[Message { role: "user".into(), content: parts }]).unwrap(),
-            "<img>what?"
-        );
+        assert_eq!(render(template, &[Message::with("user", parts)]).unwrap(), "<img>what?");
     }
 }

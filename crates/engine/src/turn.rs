@@ -53,20 +53,26 @@ pub struct ChatModel {
 }
 
 /// A message of the conversation.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TurnMessage {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool` (a call's result).
     pub role: String,
     /// Its text.
     pub text: String,
     /// Its images, in order (placed before the text).
     pub images: Vec<PathBuf>,
+    /// An assistant message's tool calls, OpenAI's shape
+    /// (`{"id", "type": "function", "function": {"name", "arguments"}}`, the arguments an
+    /// object): what templates read.
+    pub tool_calls: Vec<serde_json::Value>,
+    /// A `tool` message's answer to the call of this id.
+    pub tool_call_id: Option<String>,
 }
 
 impl TurnMessage {
     /// A message without images.
     pub fn text(role: &str, text: &str) -> TurnMessage {
-        TurnMessage { role: role.into(), text: text.into(), images: Vec::new() }
+        TurnMessage { role: role.into(), text: text.into(), ..TurnMessage::default() }
     }
 }
 
@@ -139,6 +145,10 @@ pub struct Turn {
     /// `enable_thinking` for templates that take it (Qwen's): `None` is the template's
     /// default.
     pub thinking: Option<bool>,
+    /// Tools the model may call (OpenAI's function definitions), rendered into the prompt.
+    pub tools: Vec<serde_json::Value>,
+    /// What the reply must be: sampling keeps to it (no speculation with one).
+    pub constraint: Option<crate::constrain::Constraint>,
 }
 
 impl Turn {
@@ -158,12 +168,14 @@ impl Turn {
             resume: Vec::new(),
             checkpoint_to: None,
             thinking: None,
+            tools: Vec::new(),
+            constraint: None,
         }
     }
 
     /// The template variables this turn renders with.
     pub fn template_options(&self) -> TemplateOptions {
-        TemplateOptions { enable_thinking: self.thinking }
+        TemplateOptions { enable_thinking: self.thinking, tools: self.tools.clone() }
     }
 }
 
@@ -286,7 +298,16 @@ struct ReplyText<'t> {
 impl<'t> ReplyText<'t> {
     fn new(chat: &'t ChatModel, turn: &Turn, started: Instant) -> ReplyText<'t> {
         ReplyText {
-            stream: chat.tokenizer.as_ref().map(|t| TextStream::new(t, turn.stop_strings.clone())),
+            stream: chat.tokenizer.as_ref().map(|t| {
+                let stream = TextStream::new(t, turn.stop_strings.clone());
+                if turn.tools.is_empty() {
+                    return stream;
+                }
+                // The markers of tool calls reach the text (Gemma 4's are special tokens).
+                let syntax = crate::tools::ToolSyntax::of_template(t.template());
+                let markers = [syntax.start(), syntax.end(), crate::tools::GEMMA4_QUOTE];
+                stream.keeping(markers.iter().filter_map(|m| t.token_id(m)).collect())
+            }),
             text: String::new(),
             started,
             first_token: None,
@@ -433,6 +454,11 @@ impl ChatModel {
                 self.path.display()
             )));
         }
+        if turn.constraint.is_some() && turn.speculation != Speculation::Off {
+            return Err(Error::InvalidRequest(
+                "an output format and speculative decoding do not go together yet".into(),
+            ));
+        }
         // Every image is read and sized first: a bad file fails here, before any prompt work.
         let prepared = prompt::prepare_images(model, &turn.prompt, turn.max_soft_tokens)?;
         let prompt = prompt::render(self, &turn.prompt, &prepared, true, &turn.template_options())?;
@@ -526,10 +552,20 @@ impl ChatModel {
         let restore_ms = restore_started.elapsed().as_secs_f64() * 1e3;
         let (mut caches, reused) = (resumed.caches, resumed.reused);
         let images = prompt::encode_after(model, &prompt, &prepared, reused)?;
+        let constraint = match (&turn.constraint, &self.tokenizer) {
+            (None, _) => None,
+            (Some(c), Some(tokenizer)) => Some(tokenizer.vocabulary()?.grammar(c, &stop_tokens)?),
+            (Some(_), None) => {
+                return Err(Error::InvalidRequest(
+                    "an output format needs the model's tokenizer.json".into(),
+                ));
+            }
+        };
         let mut request = GenerateRequest {
             sampling: turn.sampling.clone(),
             stop_tokens: stop_tokens.clone(),
             images,
+            constraint,
             ..GenerateRequest::new(prompt[reused..].to_vec(), max_tokens)
         };
         // State that cannot be trimmed (recurrent layers) cannot go back from the reply to the

@@ -25,7 +25,7 @@ pub type OnEvent<'c> = Box<dyn FnMut(TurnEvent) -> Flow + 'c>;
 /// A turn [`TurnBatch::open`] opened, or why it waits.
 enum Opening {
     Waits(Joined),
-    Ready(Ready),
+    Ready(Box<Ready>),
 }
 
 /// An opened turn's part before it joins the batch: its caches (what its checkpoint restored,
@@ -128,7 +128,7 @@ impl<'c> TurnBatch<'c> {
     ) -> Result<Joined> {
         match self.open(id, turn, drafters, Box::new(on_event))? {
             Opening::Waits(waits) => Ok(waits),
-            Opening::Ready(ready) => self.enter(id, ready),
+            Opening::Ready(ready) => self.enter(id, *ready),
         }
     }
 
@@ -161,7 +161,7 @@ impl<'c> TurnBatch<'c> {
                     together.push((index, id, ready));
                     continue;
                 }
-                Ok(Opening::Ready(ready)) => self.enter(id, ready),
+                Ok(Opening::Ready(ready)) => self.enter(id, *ready),
             };
         }
         let (places, requests): (Vec<_>, Vec<_>) = together
@@ -222,7 +222,7 @@ impl<'c> TurnBatch<'c> {
             self.kv = Some(turn.kv);
         }
         self.rows.insert(id, Row { turn: turn.clone(), opened, reply, on_event });
-        Ok(Opening::Ready(Ready { caches, request, earlier, method }))
+        Ok(Opening::Ready(Box::new(Ready { caches, request, earlier, method })))
     }
 
     /// Prefills an opened turn alone and joins it to the batch.

@@ -83,13 +83,16 @@ fn template_messages(messages: &[TurnMessage]) -> Vec<Message> {
     messages
         .iter()
         .map(|m| {
-            if m.images.is_empty() {
+            let mut message = if m.images.is_empty() {
                 Message::text(&m.role, &m.text)
             } else {
                 let mut parts = vec![Part::Image; m.images.len()];
                 parts.push(Part::Text { text: m.text.clone() });
-                Message { role: m.role.clone(), content: Content::Parts(parts) }
-            }
+                Message::with(&m.role, Content::Parts(parts))
+            };
+            message.tool_calls = m.tool_calls.clone();
+            message.tool_call_id = m.tool_call_id.clone();
+            message
         })
         .collect()
 }

@@ -5,6 +5,7 @@
 mod batch;
 mod cache;
 mod cache_rounds;
+mod constrain;
 mod errors;
 mod gated_delta;
 mod gemma3;

