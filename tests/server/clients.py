@@ -9,7 +9,13 @@ Starts the server on a free port with a key, on the trained demo model, then che
   body get 400 with OpenAI's error shape;
 - a second request that extends the first reports cached prompt tokens;
 - Anthropic's messages, non-streaming and streaming (the SDK's own event parser), equal the same
-  reply, and its client's errors arrive typed.
+  reply, and its client's errors arrive typed;
+- `response_format` json_schema replies validate against their schema (`jsonschema`), streamed
+  or not, and json_object replies parse;
+- a tool-call round trip with each client: a reply that must call a tool (the demo's template
+  has no tools, so they go in as a system prompt and the call is held to the tool's schema)
+  returns a call whose arguments validate, streamed as `tool_calls` deltas too; the tool's
+  result sent back is rendered into the next prompt, which the model answers.
 
 Usage: python tests/server/clients.py --quince target/debug/quince --model target/demo-model
 """
@@ -25,6 +31,7 @@ import urllib.request
 from pathlib import Path
 
 import anthropic
+import jsonschema
 import openai
 
 KEY = "qk-test-clients"
@@ -171,6 +178,122 @@ def run(args, base_url):
         raise AssertionError("a wrong key was accepted by /v1/messages")
     except anthropic.AuthenticationError as e:
         check(e.status_code == 401, f"Anthropic's client sees 401: {e}")
+
+    structured(client)
+    tool_round_trip(client, claude)
+
+
+# Bounded values: the demo's weights are untrained, so free strings would run to max_tokens.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Oslo", "Lima", "Pune"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "metric": {"type": "boolean"},
+    },
+    "required": ["city", "days", "metric"],
+    "additionalProperties": False,
+}
+
+
+def structured(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    reply = client.chat.completions.create(
+        model="any", max_tokens=64, temperature=0, response_format=fmt,
+        messages=[{"role": "user", "content": "The weather in Oslo, as JSON."}])
+    value = json.loads(reply.choices[0].message.content)
+    jsonschema.validate(value, WEATHER)
+    check(reply.choices[0].finish_reason == "stop",
+          f"a json_schema reply validates against its schema: {value}")
+    stream = client.chat.completions.create(
+        model="any", max_tokens=64, temperature=0.8, seed=7, response_format=fmt, stream=True,
+        messages=[{"role": "user", "content": "Another city."}])
+    value = json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    jsonschema.validate(value, WEATHER)
+    check(True, f"a sampled, streamed json_schema reply validates too: {value}")
+    reply = client.chat.completions.create(
+        model="any", max_tokens=48, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Any JSON object."}])
+    text = reply.choices[0].message.content
+    check(text.startswith("{") and (reply.choices[0].finish_reason == "length"
+                                    or isinstance(json.loads(text), dict)),
+          f"a json_object reply is an object: {text!r}")
+    try:
+        client.chat.completions.create(
+            model="any", max_tokens=4, response_format={"type": "json_schema"},
+            messages=[{"role": "user", "content": "x"}])
+        raise AssertionError("a json_schema format without a schema was accepted")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400, f"400 for a json_schema without its schema: {e}")
+
+
+def tool_round_trip(client, claude):
+    tools = [{"type": "function", "function": {
+        "name": "weather", "description": "The forecast for a city.", "parameters": WEATHER}}]
+    question = {"role": "user", "content": "What is the weather in Oslo?"}
+    first = client.chat.completions.create(
+        model="any", max_tokens=64, temperature=0, tools=tools, tool_choice="required",
+        messages=[question])
+    choice = first.choices[0]
+    calls = choice.message.tool_calls
+    check(choice.finish_reason == "tool_calls" and len(calls) == 1
+          and calls[0].function.name == "weather",
+          f"a reply that must call a tool returns the call: {choice}")
+    arguments = json.loads(calls[0].function.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    check(True, f"the call's arguments validate against the tool's schema: {arguments}")
+
+    stream = client.chat.completions.create(
+        model="any", max_tokens=64, temperature=0, tools=tools, tool_choice="required",
+        messages=[question], stream=True)
+    deltas, finish = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.tool_calls:
+            deltas.extend(chunk.choices[0].delta.tool_calls)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    check(finish == "tool_calls" and len(deltas) == 1
+          and json.loads(deltas[0].function.arguments) == arguments,
+          f"the same call streams as a tool_calls delta: {deltas}")
+
+    result = {"role": "tool", "tool_call_id": calls[0].id,
+              "content": json.dumps({"forecast": "sunny", "high_c": 21})}
+    history = [question, {"role": "assistant", "content": None,
+                          "tool_calls": [c.model_dump() for c in calls]}, result]
+    second = client.chat.completions.create(model="any", max_tokens=8, temperature=0,
+                                            tools=tools, messages=history)
+    without = client.chat.completions.create(model="any", max_tokens=8, temperature=0,
+                                             tools=tools, messages=history[:2] + [
+                                                 {**result, "content": "{}"}])
+    grew = second.usage.prompt_tokens - without.usage.prompt_tokens
+    check(second.choices[0].message.content is not None and grew > 5,
+          f"the tool's result is rendered into the next prompt ({grew} tokens more than an "
+          f"empty result) and answered: {second.choices[0].message.content!r}")
+
+    anthropic_tools = [{"name": "weather", "description": "The forecast for a city.",
+                        "input_schema": WEATHER}]
+    message = claude.messages.create(
+        model="any", max_tokens=64, extra_body={"temperature": 0}, tools=anthropic_tools,
+        tool_choice={"type": "any"}, messages=[question])
+    uses = [b for b in message.content if b.type == "tool_use"]
+    check(message.stop_reason == "tool_use" and len(uses) == 1 and uses[0].input == arguments,
+          f"Anthropic's client gets the same call as a tool_use block: {message.content}")
+    with claude.messages.stream(
+            model="any", max_tokens=64, extra_body={"temperature": 0}, tools=anthropic_tools,
+            tool_choice={"type": "tool", "name": "weather"}, messages=[question]) as stream:
+        final = stream.get_final_message()
+    streamed = [b for b in final.content if b.type == "tool_use"]
+    check(final.stop_reason == "tool_use" and streamed and streamed[0].input == arguments,
+          f"and streamed (input_json_delta): {final.content}")
+    answer = claude.messages.create(
+        model="any", max_tokens=8, extra_body={"temperature": 0}, tools=anthropic_tools,
+        messages=[question, {"role": "assistant", "content": [u.model_dump() for u in uses]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                "content": result["content"]}]}])
+    check(answer.content and answer.content[0].type == "text"
+          and answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+          == second.usage.prompt_tokens,
+          f"a tool_result block is rendered as the OpenAI tool message is: {answer.usage}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ pub struct Completion {
     pub stop: Vec<String>,
     /// `enable_thinking` for templates that take it; `None`: the template's default.
     pub thinking: Option<bool>,
+    /// Tools the model may call (OpenAI's function definitions).
+    pub tools: Vec<serde_json::Value>,
+    /// What the reply must match (a JSON schema, a grammar).
+    pub constraint: Option<engine::constrain::Constraint>,
 }
 
 impl Completion {
@@ -44,6 +48,8 @@ impl Completion {
             max_tokens: None,
             stop: Vec::new(),
             thinking: None,
+            tools: Vec::new(),
+            constraint: None,
         }
     }
 }
@@ -201,6 +207,15 @@ impl Chat {
         lock(&self.prompt_cache.running).iter().filter(|f| f.strong_count() > 0).count()
     }
 
+    /// How the loaded model writes tool calls (from its chat template); `None` when no model is
+    /// loaded.
+    pub fn tool_syntax(&self) -> Result<Option<engine::tools::ToolSyntax>> {
+        let Some(model) = self.loaded() else { return Ok(None) };
+        let template = engine::tokenizer::read_template(std::path::Path::new(&model.path))
+            .map_err(|e| Error::Invalid(e.to_string()))?;
+        Ok(Some(engine::tools::ToolSyntax::of_template(template.as_deref())))
+    }
+
     /// Starts answering `completion` with the loaded model, beside the app's replies (it joins
     /// their batch where it can). Refused at once when no model is loaded or one is loading.
     pub async fn complete(&self, completion: Completion) -> Result<CompletionStream> {
@@ -222,6 +237,8 @@ impl Chat {
             max_tokens: completion.max_tokens.unwrap_or(model.max_context as usize),
             stop_strings: completion.stop,
             thinking: completion.thinking,
+            tools: completion.tools,
+            constraint: completion.constraint,
             resume: if self.checkpoints { cache.candidates(&identity) } else { Vec::new() },
             checkpoint_to: self.checkpoints.then(|| file.clone()),
             ..Turn::new(completion.prompt)

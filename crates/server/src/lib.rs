@@ -15,6 +15,7 @@ mod content;
 mod error;
 mod openai;
 mod run;
+mod tools;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;

@@ -13,6 +13,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use chat::{Completion, ReplyEvent};
 use engine::sampling::SamplingParams;
+use engine::tools::{ToolCall, ToolEvent};
 use engine::turn::{Prompt, TurnMessage, TurnOutcome, TurnStats};
 use futures_util::Stream;
 use serde::Deserialize;
@@ -20,6 +21,7 @@ use serde_json::{Value, json};
 
 use crate::error::{ApiError, parse_body};
 use crate::run::{self, Running, finish_reason, new_id, now_secs};
+use crate::tools::{self, Calls, Choice};
 use crate::{AppState, Shared, content};
 
 /// `GET /v1/models`: the loaded model.
@@ -123,6 +125,28 @@ struct Message {
     role: String,
     #[serde(default)]
     content: Option<MessageContent>,
+    /// An assistant message's calls.
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCallIn>>,
+    /// A `tool` message's call.
+    #[serde(default)]
+    tool_call_id: Option<String>,
+}
+
+/// A call in an earlier assistant message.
+#[derive(Debug, Deserialize)]
+struct ToolCallIn {
+    #[serde(default)]
+    id: Option<String>,
+    function: FunctionIn,
+}
+
+#[derive(Debug, Deserialize)]
+struct FunctionIn {
+    name: String,
+    /// A JSON string, as OpenAI sends it (an object is taken too).
+    #[serde(default)]
+    arguments: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -150,9 +174,36 @@ struct ChatRequest {
     #[serde(default)]
     tools: Option<Vec<Value>>,
     #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
     response_format: Option<Value>,
     #[serde(flatten)]
     options: Options,
+}
+
+/// `tool_choice`: `"none"`, `"auto"`, `"required"` or `{"type": "function", "function":
+/// {"name": …}}`; auto when tools are given, none when not.
+fn tool_choice(choice: Option<Value>) -> Result<Choice, ApiError> {
+    match choice {
+        None => Ok(Choice::Auto),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Ok(Choice::None),
+            "auto" => Ok(Choice::Auto),
+            "required" => Ok(Choice::Required),
+            other => Err(ApiError::invalid(format!(
+                "tool_choice {other:?} is not none, auto, required or a function"
+            ))),
+        },
+        Some(named) => named
+            .pointer("/function/name")
+            .and_then(Value::as_str)
+            .map(|n| Choice::Named(n.to_string()))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "tool_choice is not {\"type\": \"function\", \"function\": {\"name\": …}}",
+                )
+            }),
+    }
 }
 
 /// The messages as the engine takes them: roles checked, images imported.
@@ -170,14 +221,30 @@ async fn turn_messages(
             "system" | "developer" => "system",
             "user" => "user",
             "assistant" => "assistant",
+            "tool" => "tool",
             other => {
                 return Err(ApiError::invalid(format!(
                     "role {other:?} is not one this server takes (system, developer, user, \
-                     assistant)"
+                     assistant, tool)"
                 )));
             }
         };
         let mut turn = TurnMessage::text(role, "");
+        turn.tool_call_id = message.tool_call_id;
+        for (i, call) in message.tool_calls.unwrap_or_default().into_iter().enumerate() {
+            let arguments = match call.function.arguments {
+                Some(Value::String(s)) if s.trim().is_empty() => json!({}),
+                Some(Value::String(s)) => serde_json::from_str(&s).map_err(|e| {
+                    ApiError::invalid(format!(
+                        "tool_calls[{i}].function.arguments is not JSON: {e}"
+                    ))
+                })?,
+                Some(other) => other,
+                None => json!({}),
+            };
+            let id = call.id.unwrap_or_else(|| format!("call_{i}"));
+            turn.tool_calls.push(tools::template_call(&id, &call.function.name, arguments));
+        }
         match message.content {
             None => {}
             Some(MessageContent::Text(text)) => turn.text = text,
@@ -220,27 +287,33 @@ async fn chat_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let request: ChatRequest = parse_body(body)?;
-    if request.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::invalid("tools are not supported by this server yet"));
-    }
-    if let Some(format) = &request.response_format
-        && format.get("type").and_then(Value::as_str).is_some_and(|t| t != "text")
-    {
-        return Err(ApiError::invalid(
-            "response_format other than text is not supported by this server yet",
-        ));
-    }
     let model = loaded_id(&shared)?;
+    let tool_list = tools::checked(request.tools.unwrap_or_default())?;
+    let choice = tool_choice(request.tool_choice)?;
+    let constraint = tools::response_format(request.response_format)?;
     let messages = turn_messages(&shared, request.messages).await?;
     let stream = request.options.stream;
     let include_usage = request.options.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let completion = request.options.completion(Prompt::Messages(messages))?;
+    let mut completion = request.options.completion(Prompt::Messages(messages))?;
+    completion.constraint = constraint;
+    let calls = tools::offer(&shared, &mut completion, tool_list, choice)?;
     let running = run::start(&shared, completion).await?;
     let id = new_id("chatcmpl-");
     if stream {
-        return Ok(sse(chat_chunks(running, id, model, include_usage)));
+        return Ok(sse(chat_chunks(running, calls, id, model, include_usage)));
     }
     let outcome = running.finish().await?;
+    let (content, made) = calls.read(&outcome.text);
+    let mut message = json!({ "role": "assistant", "content": content });
+    let mut finish = finish_reason(outcome.stats.stop_reason);
+    if !made.is_empty() {
+        let made: Vec<Value> = made.into_iter().map(|c| openai_call(&c, None)).collect();
+        if content.trim().is_empty() {
+            message["content"] = Value::Null;
+        }
+        message["tool_calls"] = Value::Array(made);
+        finish = "tool_calls";
+    }
     Ok(Json(json!({
         "id": id,
         "object": "chat.completion",
@@ -248,13 +321,26 @@ async fn chat_inner(
         "model": model,
         "choices": [{
             "index": 0,
-            "message": { "role": "assistant", "content": outcome.text },
-            "finish_reason": finish_reason(outcome.stats.stop_reason),
+            "message": message,
+            "finish_reason": finish,
             "logprobs": null,
         }],
         "usage": usage(&outcome.stats),
     }))
     .into_response())
+}
+
+/// A call as OpenAI returns it (arguments a JSON string); `index` in a streamed delta.
+fn openai_call(call: &ToolCall, index: Option<usize>) -> Value {
+    let mut out = json!({
+        "id": new_id("call_"),
+        "type": "function",
+        "function": { "name": call.name, "arguments": call.arguments.to_string() },
+    });
+    if let Some(index) = index {
+        out["index"] = json!(index);
+    }
+    out
 }
 
 /// The loaded model's id; 503 when none is loaded.
@@ -285,10 +371,12 @@ fn sse(events: impl Stream<Item = Value> + Send + 'static) -> Response {
     Sse::new(events).into_response()
 }
 
-/// A streamed reply's chunks: the role, each piece of text, the finish reason, and `usage`
-/// when asked for. A failure after the first chunk ends the stream with an error object.
+/// A streamed reply's chunks: the role, each piece of text and each tool call as it is read,
+/// the finish reason, and `usage` when asked for. A failure after the first chunk ends the
+/// stream with an error object.
 fn chat_chunks(
     running: Running,
+    mut calls: Calls,
     id: String,
     model: String,
     include_usage: bool,
@@ -299,11 +387,36 @@ fn chat_chunks(
             "choices": [{ "index": 0, "delta": delta, "finish_reason": finish, "logprobs": null }],
         })
     };
+    let deltas = |events: Vec<ToolEvent>, made_before: usize| -> Vec<Value> {
+        let mut index = made_before;
+        events
+            .into_iter()
+            .map(|event| match event {
+                ToolEvent::Text(text) => json!({ "content": text }),
+                ToolEvent::Call(call) => {
+                    index += 1;
+                    json!({ "tool_calls": [openai_call(&call, Some(index - 1))] })
+                }
+            })
+            .collect()
+    };
     stream_of(running, move |step| match step {
         Step::Start => vec![chunk(json!({ "role": "assistant", "content": "" }), None)],
-        Step::Text(text) => vec![chunk(json!({ "content": text }), None)],
+        Step::Text(text) => {
+            let before = calls.made();
+            let events = calls.push(&text);
+            deltas(events, before).into_iter().map(|d| chunk(d, None)).collect()
+        }
         Step::Done(outcome) => {
-            let mut out = vec![chunk(json!({}), Some(finish_reason(outcome.stats.stop_reason)))];
+            let before = calls.made();
+            let events = calls.finish();
+            let mut out: Vec<Value> =
+                deltas(events, before).into_iter().map(|d| chunk(d, None)).collect();
+            let finish = match calls.made() {
+                0 => finish_reason(outcome.stats.stop_reason),
+                _ => "tool_calls",
+            };
+            out.push(chunk(json!({}), Some(finish)));
             if include_usage {
                 let mut last = chunk(json!({}), None);
                 last["choices"] = json!([]);

@@ -1,6 +1,6 @@
 //! Fuzzed request bodies against the running server: random bytes and near-valid JSON (odd
-//! roles, content of every type, out-of-range numbers, token ids past the vocabulary) on every
-//! route. Each gets an answer — 200, or 400/413/503 in the API's error shape — never a 500 or
+//! roles, content of every type, out-of-range numbers, token ids past the vocabulary, tools,
+//! tool calls and results, output formats whose schemas compile or not) on every route. Each gets an answer — 200, or 400/413/503 in the API's error shape — never a 500 or
 //! a dropped connection, and the server answers normally afterwards.
 #![allow(clippy::unwrap_used)] // test code: a failing unwrap is a failing test
 
@@ -57,11 +57,20 @@ fn scalar() -> impl Strategy<Value = Value> {
 }
 
 fn part() -> impl Strategy<Value = Value> {
-    let kind =
-        prop_oneof![Just("text"), Just("image_url"), Just("image"), Just("input_audio"), Just("")];
+    let kind = prop_oneof![
+        Just("text"),
+        Just("image_url"),
+        Just("image"),
+        Just("input_audio"),
+        Just("tool_use"),
+        Just("tool_result"),
+        Just("")
+    ];
     (kind, scalar(), scalar()).prop_map(|(kind, a, b)| {
         json!({ "type": kind, "text": a, "image_url": { "url": b.clone() },
-                "source": { "type": "base64", "data": b } })
+                "source": { "type": "base64", "data": b.clone() },
+                "id": a.clone(), "name": a.clone(), "input": b.clone(),
+                "tool_use_id": a, "content": b })
     })
 }
 
@@ -84,7 +93,62 @@ fn message() -> impl Strategy<Value = Value> {
         Just(json!("")),
         scalar()
     ];
-    (role, content()).prop_map(|(role, content)| json!({ "role": role, "content": content }))
+    let calls = prop_oneof![
+        Just(Value::Null),
+        Just(json!([{ "id": "c", "type": "function",
+                      "function": { "name": "f", "arguments": "{\"x\": 1}" } }])),
+        Just(json!([{ "function": { "name": "f", "arguments": "{bad" } }])),
+        Just(json!([{}])),
+        scalar()
+    ];
+    (role, content(), calls).prop_map(|(role, content, calls)| {
+        let mut message = json!({ "role": role, "content": content });
+        if !calls.is_null() {
+            message["tool_calls"] = calls;
+            message["tool_call_id"] = json!("c");
+        }
+        message
+    })
+}
+
+/// Tools of both APIs, well formed or not; schemas the grammar engine takes or refuses.
+fn tools() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        Just(Value::Null),
+        Just(json!([{ "type": "function", "function": { "name": "f", "parameters": {
+            "type": "object", "properties": { "x": { "enum": [1, 2] } }, "required": ["x"],
+            "additionalProperties": false } } }])),
+        Just(json!([{ "name": "f", "input_schema": { "type": "object" } }])),
+        Just(json!([{ "type": "function", "function": { "name": "f",
+                                                         "parameters": { "type": "nonsense" } } }])),
+        Just(json!([{}])),
+        scalar()
+    ]
+}
+
+fn tool_choice() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        Just(Value::Null),
+        Just(json!("required")),
+        Just(json!("none")),
+        Just(json!({ "type": "any" })),
+        Just(json!({ "type": "tool", "name": "g" })),
+        Just(json!({ "type": "function", "function": { "name": "f" } })),
+        scalar()
+    ]
+}
+
+fn response_format() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        Just(Value::Null),
+        Just(json!({ "type": "json_object" })),
+        Just(json!({ "type": "json_schema", "json_schema": { "schema": {
+            "type": "object", "properties": { "a": { "type": "integer" } } } } })),
+        Just(json!({ "type": "json_schema", "json_schema": { "schema": { "$ref": "#/nope" } } })),
+        Just(json!({ "type": "json_schema", "json_schema": { "schema": { "type": 7 } } })),
+        Just(json!({ "type": "json_schema" })),
+        scalar()
+    ]
 }
 
 /// Small or invalid: a valid request generates at most 2 tokens.
@@ -124,19 +188,29 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
             scalar()
         ],
         prop_oneof![Just(Value::Null), scalar(), Just(json!("You are terse."))],
+        (tools(), tool_choice(), response_format()),
     )
-        .prop_map(|(messages, max_tokens, stream, n, temperature, stop, prompt, system)| {
-            let mut body = json!({ "messages": messages, "max_tokens": max_tokens,
+        .prop_map(
+            |(messages, max_tokens, stream, n, temperature, stop, prompt, system, more)| {
+                let mut body = json!({ "messages": messages, "max_tokens": max_tokens,
                                    "stream": stream, "prompt": prompt });
-            for (key, value) in
-                [("n", n), ("temperature", temperature), ("stop", stop), ("system", system)]
-            {
-                if !value.is_null() {
-                    body[key] = value;
+                let (tools, tool_choice, response_format) = more;
+                for (key, value) in [
+                    ("n", n),
+                    ("temperature", temperature),
+                    ("stop", stop),
+                    ("system", system),
+                    ("tools", tools),
+                    ("tool_choice", tool_choice),
+                    ("response_format", response_format),
+                ] {
+                    if !value.is_null() {
+                        body[key] = value;
+                    }
                 }
-            }
-            serde_json::to_vec(&body).unwrap()
-        });
+                serde_json::to_vec(&body).unwrap()
+            },
+        );
     prop_oneof![
         1 => prop::collection::vec(any::<u8>(), 0..64),
         1 => Just(vec![b'{'; 20_000]),
