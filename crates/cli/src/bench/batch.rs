@@ -201,10 +201,13 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         None => None,
     };
     let drafter = drafter.as_deref();
-    let most = args.streams.iter().copied().max().unwrap_or(1);
-    let began = Instant::now();
-    run_once(model.as_ref(), drafter, args, most)?; // warm-up: builds the kernels of every shape
-    eprintln!("warm-up at {most} streams: {:.1} s", began.elapsed().as_secs_f64());
+    // Warm-up at every stream count: builds the kernels of every shape (on CUDA, kernels
+    // compiled on first use per row count take seconds each).
+    for &streams in &args.streams {
+        let began = Instant::now();
+        run_once(model.as_ref(), drafter, args, streams)?;
+        eprintln!("warm-up at {streams} streams: {:.1} s", began.elapsed().as_secs_f64());
+    }
     let mut rows = Vec::new();
     for &streams in &args.streams {
         let mut rates = Vec::new();
