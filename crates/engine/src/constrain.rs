@@ -26,6 +26,12 @@ pub enum Constraint {
     JsonSchema(Value),
     /// Text of this Lark grammar (llguidance's dialect: `%json {…}` embeds a schema).
     Lark(String),
+    /// One call to one of the turn's tools (to `name` when given), in the model's own syntax,
+    /// its arguments valid under the tool's schema ([`crate::tools::ToolSyntax::call_grammar`]).
+    ToolCall {
+        /// The tool it must call; `None`: any.
+        name: Option<String>,
+    },
 }
 
 /// A tokenizer's vocabulary as the grammar engine reads it; built once, shared by every
@@ -118,6 +124,11 @@ impl Vocabulary {
         let grammar = match constraint {
             Constraint::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
             Constraint::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            Constraint::ToolCall { .. } => {
+                return Err(Error::InvalidRequest(
+                    "a tool call's grammar comes from the turn's tools".into(),
+                ));
+            }
         };
         let parser = self
             .factory

@@ -16,7 +16,7 @@
 //! LM Studio's default tool prompt does.
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 
 use crate::tokenizer::{Content, Message, Part};
 
@@ -345,38 +345,171 @@ fn gemma4_value(value: &Value) -> String {
     }
 }
 
-/// The grammar of one call, in the Hermes syntax, to one of `tools` (only `name` when given)
-/// with arguments valid under the tool's schema: what a reply that must call a tool keeps to.
-pub fn hermes_call_grammar(tools: &[Value], name: Option<&str>) -> Result<String, String> {
-    let mut choices = Vec::new();
+/// The functions of `tools` a call may go to (only `name` when given): each name with its
+/// parameters' schema.
+fn callable<'t>(tools: &'t [Value], name: Option<&str>) -> Result<Vec<(&'t str, Value)>, String> {
+    let mut out = Vec::new();
     for tool in tools {
         let function = tool.get("function").unwrap_or(tool);
         let Some(tool_name) = function.get("name").and_then(Value::as_str) else { continue };
         if name.is_some_and(|n| n != tool_name) {
             continue;
         }
-        let parameters = function
-            .get("parameters")
-            .cloned()
-            .unwrap_or_else(|| serde_json::json!({"type": "object"}));
-        choices.push(serde_json::json!({
-            "type": "object",
-            "properties": { "name": { "const": tool_name }, "arguments": parameters },
-            "required": ["name", "arguments"],
-            "additionalProperties": false,
-        }));
+        let parameters =
+            function.get("parameters").cloned().unwrap_or_else(|| json!({"type": "object"}));
+        out.push((tool_name, parameters));
     }
-    if choices.is_empty() {
+    if out.is_empty() {
         return Err(match name {
             Some(n) => format!("no tool is named {n:?}"),
             None => "no tools to call".into(),
         });
     }
-    let schema = serde_json::json!({
-        "anyOf": choices,
-        "x-guidance": { "whitespace_flexible": false },
-    });
-    Ok(format!("start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall: %json {schema}\n"))
+    Ok(out)
+}
+
+/// A schema whose JSON has no optional whitespace (a reply cannot spend its tokens on it).
+fn compact(mut schema: Value) -> Value {
+    if let Some(fields) = schema.as_object_mut() {
+        fields.entry("x-guidance").or_insert(json!({ "whitespace_flexible": false }));
+    }
+    schema
+}
+
+/// A Lark string literal of `text`.
+fn literal(text: &str) -> String {
+    Value::String(text.to_string()).to_string()
+}
+
+impl ToolSyntax {
+    /// The grammar (llguidance's Lark) of one call in this syntax to one of `tools` (only
+    /// `name` when given), its arguments valid under the tool's schema: what a reply that must
+    /// call a tool keeps to. `token` gives the id of a marker that is one token of the
+    /// vocabulary (written as that token, as the model would write it, not spelled out).
+    ///
+    /// Hermes arguments are the schema's JSON. Qwen XML and Gemma 4 write each parameter on
+    /// its own: a string as raw text (without `<` or, in Qwen XML, a line break, so the
+    /// closing tag ends it), an enum as one of its values, anything else as its JSON; their
+    /// calls give every required parameter (Gemma 4's leaves the optional ones out).
+    pub fn call_grammar(
+        self,
+        tools: &[Value],
+        name: Option<&str>,
+        token: impl Fn(&str) -> Option<u32>,
+    ) -> Result<String, String> {
+        let functions = callable(tools, name)?;
+        let mark = |m: &str| token(m).map_or_else(|| literal(m), |id| format!("<[{id}]>"));
+        let (start, end) = (mark(self.start()), mark(self.end()));
+        let mut rules = Vec::new();
+        let choices: Vec<String> = (0..functions.len()).map(|i| format!("f{i}")).collect();
+        match self {
+            ToolSyntax::Hermes => {
+                let schemas: Vec<Value> = functions
+                    .iter()
+                    .map(|(tool_name, parameters)| {
+                        json!({
+                            "type": "object",
+                            "properties": {
+                                "name": { "const": tool_name },
+                                "arguments": parameters,
+                            },
+                            "required": ["name", "arguments"],
+                            "additionalProperties": false,
+                        })
+                    })
+                    .collect();
+                let schema = compact(json!({ "anyOf": schemas }));
+                rules.push(format!("start: {start} \"\\n\" call \"\\n\" {end}"));
+                rules.push(format!("call: %json {schema}"));
+            }
+            ToolSyntax::QwenXml => {
+                rules.push(format!(
+                    "start: {start} \"\\n\" ({}) \"</function>\\n\" {end}",
+                    choices.join(" | ")
+                ));
+                for (i, (tool_name, parameters)) in functions.iter().enumerate() {
+                    let mut body = vec![literal(&format!("<function={tool_name}>\n"))];
+                    for (j, (key, schema, required)) in
+                        parameter_list(parameters).into_iter().enumerate()
+                    {
+                        let value = value_rule(&schema, "[^<\\n]", "");
+                        rules.push(format!("f{i}_v{j}: {value}"));
+                        let item = format!(
+                            "{} f{i}_v{j} {}",
+                            literal(&format!("<parameter={key}>\n")),
+                            literal("\n</parameter>\n")
+                        );
+                        body.push(if required { item } else { format!("({item})?") });
+                    }
+                    rules.push(format!("f{i}: {}", body.join(" ")));
+                }
+            }
+            ToolSyntax::Gemma4 => {
+                let quote = mark(GEMMA4_QUOTE);
+                rules.push(format!("start: {start} \"call:\" ({}) {end}", choices.join(" | ")));
+                for (i, (tool_name, parameters)) in functions.iter().enumerate() {
+                    let mut items = Vec::new();
+                    let required =
+                        parameter_list(parameters).into_iter().filter(|(_, _, required)| *required);
+                    for (j, (key, schema, _)) in required.enumerate() {
+                        let value = value_rule(&schema, "[^<]", &quote);
+                        rules.push(format!("f{i}_v{j}: {value}"));
+                        items.push(format!("{} f{i}_v{j}", literal(&format!("{key}:"))));
+                    }
+                    let args = if items.is_empty() {
+                        literal("{}")
+                    } else {
+                        format!("\"{{\" {} \"}}\"", items.join(" \",\" "))
+                    };
+                    rules.push(format!("f{i}: {} {args}", literal(tool_name)));
+                }
+            }
+        }
+        Ok(rules.join("\n") + "\n")
+    }
+}
+
+/// A schema's properties in order: name, schema, whether required.
+fn parameter_list(parameters: &Value) -> Vec<(String, Value, bool)> {
+    let required: Vec<&str> = parameters
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    parameters
+        .get("properties")
+        .and_then(Value::as_object)
+        .map(|props| {
+            props
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone(), required.contains(&k.as_str())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The grammar of one parameter's value written on its own: an enum as one of its values
+/// (strings raw, between `quote`s), a string as characters of the regex class `chars`
+/// (up to its `maxLength`) between `quote`s, anything else as its JSON.
+fn value_rule(schema: &Value, chars: &str, quote: &str) -> String {
+    let quoted = |inner: String| format!("{quote} {inner} {quote}").trim().to_string();
+    if let Some(values) = schema.get("enum").and_then(Value::as_array) {
+        let choices: Vec<String> = values
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => quoted(literal(s)),
+                other => literal(&other.to_string()),
+            })
+            .collect();
+        return format!("({})", choices.join(" | "));
+    }
+    match schema.get("type").and_then(Value::as_str) {
+        Some("string") => match schema.get("maxLength").and_then(Value::as_u64) {
+            Some(most) => quoted(format!("/{chars}{{0,{most}}}/")),
+            None => quoted(format!("/{chars}*/")),
+        },
+        _ => format!("%json {}", compact(schema.clone())),
+    }
 }
 
 /// The system prompt that offers `tools` to a model whose template has none of its own
@@ -475,8 +608,6 @@ fn append_text(message: &mut Message, text: &str) {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-
-    use serde_json::json;
 
     use super::*;
 

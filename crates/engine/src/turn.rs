@@ -554,7 +554,19 @@ impl ChatModel {
         let images = prompt::encode_after(model, &prompt, &prepared, reused)?;
         let constraint = match (&turn.constraint, &self.tokenizer) {
             (None, _) => None,
-            (Some(c), Some(tokenizer)) => Some(tokenizer.vocabulary()?.grammar(c, &stop_tokens)?),
+            (Some(c), Some(tokenizer)) => {
+                let c = match c {
+                    crate::constrain::Constraint::ToolCall { name } => {
+                        let syntax = crate::tools::ToolSyntax::of_template(tokenizer.template());
+                        let grammar = syntax
+                            .call_grammar(&turn.tools, name.as_deref(), |m| tokenizer.token_id(m))
+                            .map_err(Error::InvalidRequest)?;
+                        crate::constrain::Constraint::Lark(grammar)
+                    }
+                    other => other.clone(),
+                };
+                Some(tokenizer.vocabulary()?.grammar(&c, &stop_tokens)?)
+            }
             (Some(_), None) => {
                 return Err(Error::InvalidRequest(
                     "an output format needs the model's tokenizer.json".into(),

@@ -3,7 +3,7 @@
 
 use chat::Completion;
 use engine::constrain::Constraint;
-use engine::tools::{ToolCall, ToolCallParser, ToolEvent, ToolSyntax, hermes_call_grammar};
+use engine::tools::{ToolCall, ToolCallParser, ToolEvent, ToolSyntax};
 use serde_json::{Value, json};
 
 use crate::Shared;
@@ -43,7 +43,7 @@ pub(crate) fn checked(tools: Vec<Value>) -> Result<Vec<Value>, ApiError> {
 }
 
 /// Offers `tools` to `completion` as `choice` says: rendered into the prompt, and for a call
-/// the reply must make, a grammar it keeps to. The parser of the reply's calls when tools
+/// the reply must make, a grammar in the model's own syntax it keeps to. The parser of the reply's calls when tools
 /// are offered.
 pub(crate) fn offer(
     shared: &Shared,
@@ -68,19 +68,17 @@ pub(crate) fn offer(
         Choice::None | Choice::Auto => None,
     };
     if let Some(name) = name {
-        if syntax != ToolSyntax::Hermes {
-            return Err(ApiError::invalid(format!(
-                "tool_choice that requires a call is not supported yet for this model's tool \
-                 format ({syntax:?}); use \"auto\""
-            )));
-        }
         if completion.constraint.is_some() {
             return Err(ApiError::invalid(
                 "a response format and a required tool call cannot be asked for together",
             ));
         }
-        let grammar = hermes_call_grammar(&tools, name).map_err(ApiError::invalid)?;
-        completion.constraint = Some(Constraint::Lark(grammar));
+        if let Some(n) = name
+            && !tools.iter().any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(n))
+        {
+            return Err(ApiError::invalid(format!("tool_choice names {n:?}, which is not a tool")));
+        }
+        completion.constraint = Some(Constraint::ToolCall { name: name.map(str::to_string) });
     }
     completion.tools = tools.clone();
     Ok(Calls { parser: Some(ToolCallParser::new(syntax, tools)), made: 0 })

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use engine::constrain::Constraint;
 use engine::generate::{Flow, StopReason};
-use engine::tools::{ToolCallParser, ToolEvent, ToolSyntax, hermes_call_grammar};
+use engine::tools::{ToolCallParser, ToolEvent, ToolSyntax};
 use engine::turn::{ChatModel, Drafters, Joined, Prompt, Turn, TurnBatch, TurnMessage};
 use serde_json::{Value, json};
 
@@ -76,42 +76,58 @@ fn a_reply_held_to_a_schema_is_valid_json_under_it() {
     assert!(out.text.starts_with('{'), "{:?}", out.text);
 }
 
-/// A reply that must call a tool writes one call in the Hermes syntax, to the tool named, with
-/// arguments valid under its schema; the streaming parser reads it back.
+/// A reply that must call a tool writes one call to the tool named (any, when none is), with
+/// arguments valid under its schema: through the turn (the demo's template has no tools, so
+/// the Hermes syntax), and held to each syntax's grammar directly; the streaming parser of
+/// that syntax reads the call back.
 #[test]
 fn a_reply_that_must_call_a_tool_writes_a_call_the_parser_reads() {
     let (_tmp, chat) = demo();
     let tools = vec![
         json!({"type": "function", "function": {"name": "weather", "parameters": schema()}}),
         json!({"type": "function", "function": {"name": "time", "parameters":
-            {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+            {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]},
+            "label": {"type": "string", "maxLength": 12}}, "required": ["zone"],
             "additionalProperties": false}}}),
     ];
+    let tokenizer = chat.tokenizer().unwrap();
     let mut drafters = Drafters::default();
+    let question = "What is the weather in Oslo?";
+    let mut cases = Vec::new();
     for name in [Some("weather"), Some("time"), None] {
-        let grammar = hermes_call_grammar(&tools, name).unwrap();
-        let t = Turn {
-            tools: tools.clone(),
-            max_tokens: 64,
-            ..turn("What is the weather in Oslo?", Constraint::Lark(grammar))
-        };
+        let through_turn = Constraint::ToolCall { name: name.map(str::to_string) };
+        cases.push((ToolSyntax::Hermes, name, through_turn));
+        for syntax in [ToolSyntax::QwenXml, ToolSyntax::Gemma4] {
+            let grammar = syntax.call_grammar(&tools, name, |m| tokenizer.token_id(m)).unwrap();
+            cases.push((syntax, name, Constraint::Lark(grammar)));
+        }
+    }
+    for (syntax, name, constraint) in cases {
+        let t = Turn { tools: tools.clone(), max_tokens: 96, ..turn(question, constraint) };
         let out = chat.answer(&t, &mut drafters, |_| Flow::Continue).unwrap();
-        let mut parser = ToolCallParser::new(ToolSyntax::Hermes, tools.clone());
+        let mut parser = ToolCallParser::new(syntax, tools.clone());
         let mut events = parser.push(&out.text);
         events.extend(parser.finish());
         let [ToolEvent::Call(call)] = events.as_slice() else {
-            panic!("{name:?}: {events:?} from {:?}", out.text)
+            panic!("{syntax:?} {name:?}: {events:?} from {:?}", out.text)
         };
         match name {
-            Some("weather") => assert!(valid(&call.arguments), "{call:?}"),
-            Some(n) => assert_eq!(call.name, n),
-            None => assert!(["weather", "time"].contains(&call.name.as_str())),
+            Some(n) => assert_eq!(call.name, n, "{syntax:?}"),
+            None => assert!(["weather", "time"].contains(&call.name.as_str()), "{syntax:?}"),
         }
-        if call.name == "time" {
-            assert!(["UTC", "CET"].contains(&call.arguments["zone"].as_str().unwrap()), "{call:?}");
+        if call.name == "weather" {
+            assert!(valid(&call.arguments), "{syntax:?}: {call:?} from {:?}", out.text);
+        } else {
+            let zone = call.arguments["zone"].as_str().unwrap_or_default();
+            assert!(["UTC", "CET"].contains(&zone), "{syntax:?}: {call:?} from {:?}", out.text);
         }
+        assert_eq!(out.stats.stop_reason, StopReason::StopToken, "{syntax:?}: {:?}", out.text);
     }
-    assert!(hermes_call_grammar(&tools, Some("nope")).is_err());
+    let t = Turn {
+        tools: tools.clone(),
+        ..turn(question, Constraint::ToolCall { name: Some("nope".into()) })
+    };
+    assert!(chat.answer(&t, &mut drafters, |_| Flow::Continue).is_err());
 }
 
 /// Constrained turns decode in a batch beside a plain one and give what each gives alone.
