@@ -171,6 +171,13 @@ def run(args, base_url):
         final = stream.get_final_message()
     check(streamed == want and final.usage.output_tokens == reply.usage.completion_tokens,
           f"Anthropic's stream carries the same reply: {streamed!r}")
+    word = max(want.split(), key=len)
+    stopped = claude.messages.create(
+        model="any", max_tokens=24, extra_body={"temperature": 0},
+        stop_sequences=["qqqq", word], messages=[{"role": "user", "content": prompt}])
+    check(stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
+          and stopped.content[0].text == want[:want.index(word)],
+          f"the stop sequence that ended a reply is named: {stopped}")
     try:
         anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key="wrong",
                             max_retries=0).messages.create(

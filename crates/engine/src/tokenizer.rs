@@ -432,6 +432,8 @@ pub struct TextStream<'a> {
     text: String,
     /// Special tokens written into the text.
     keep: Vec<u32>,
+    /// The stop string that ended the text.
+    stopped_by: Option<String>,
 }
 
 impl<'a> TextStream<'a> {
@@ -444,7 +446,13 @@ impl<'a> TextStream<'a> {
             stop_strings,
             text: String::new(),
             keep: Vec::new(),
+            stopped_by: None,
         }
+    }
+
+    /// The stop string that ended the text (the first to appear), if one did.
+    pub fn stopped_by(&self) -> Option<&str> {
+        self.stopped_by.as_deref()
     }
 
     /// Also writes these special tokens into the text (a model's tool-call markers, which
@@ -477,7 +485,13 @@ impl<'a> TextStream<'a> {
     pub fn push(&mut self, id: u32) -> Result<(String, bool)> {
         self.ids.push(id);
         let full = self.decode()?;
-        if let Some(at) = self.stop_strings.iter().filter_map(|s| full.find(s.as_str())).min() {
+        let first = self
+            .stop_strings
+            .iter()
+            .filter_map(|s| full.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|(at, _)| *at);
+        if let Some((at, stop)) = first {
+            self.stopped_by = Some(stop.clone());
             let fresh = full.get(self.emitted..at).unwrap_or_default().to_string();
             self.emitted = at.max(self.emitted);
             self.text = full[..at].to_string();

@@ -257,6 +257,8 @@ pub struct TurnOutcome {
     pub checkpoint: Option<WrittenCheckpoint>,
     /// Candidates found damaged or foreign (id, why): the caller drops them.
     pub rejected: Vec<(i64, String)>,
+    /// The stop string that ended the reply, if one did.
+    pub stop_string: Option<String>,
 }
 
 /// A turn [`ChatModel::open`] set up: everything [`ChatModel::close`] needs after the reply.
@@ -623,6 +625,7 @@ impl ChatModel {
         method: Option<&mut dyn DraftMethod>,
     ) -> Result<TurnOutcome> {
         let Opened { prompt, prepared, mut caches, prompt_state, .. } = opened;
+        let stop_string = reply.stream.as_ref().and_then(|s| s.stopped_by()).map(str::to_string);
         let ReplyText { text, first_token, failed, .. } = reply;
         if let Some(e) = failed {
             return Err(e);
@@ -719,6 +722,7 @@ impl ChatModel {
             resumed_from: opened.resumed.map(|(id, _)| id),
             checkpoint,
             rejected: opened.rejected,
+            stop_string,
         })
     }
 }

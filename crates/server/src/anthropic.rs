@@ -15,7 +15,7 @@ use chat::Completion;
 use engine::generate::StopReason;
 use engine::sampling::SamplingParams;
 use engine::tools::{ToolCall, ToolEvent};
-use engine::turn::{Prompt, TurnMessage, TurnStats};
+use engine::turn::{Prompt, TurnMessage, TurnOutcome, TurnStats};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -187,7 +187,6 @@ async fn inner(
         Some(ToolChoice::Tool { name }) => Choice::Named(name),
         Some(ToolChoice::None {}) => Choice::None,
     };
-    let stops = request.stop_sequences.clone();
     let mut completion = Completion {
         sampling: SamplingParams {
             temperature,
@@ -204,10 +203,10 @@ async fn inner(
     let running = run::start(&shared, completion).await?;
     let id = new_id("msg_");
     if request.stream {
-        return Ok(stream(running, calls, id, model, stops));
+        return Ok(stream(running, calls, id, model));
     }
     let outcome = running.finish().await?;
-    let (mut reason, sequence) = stop_reason(outcome.stats.stop_reason, &stops);
+    let (mut reason, sequence) = stop_reason(&outcome);
     let (text, made) = calls.read(&outcome.text);
     let mut content = Vec::new();
     if !text.is_empty() || made.is_empty() {
@@ -237,15 +236,12 @@ fn tool_use(call: &ToolCall) -> Value {
     json!({ "type": "tool_use", "id": new_id("toolu_"), "name": call.name, "input": call.arguments })
 }
 
-/// Anthropic's `stop_reason`, and the stop sequence when it can be named (a reply stopped by
-/// one of several is reported as stopped by a stop sequence, not which).
-fn stop_reason(reason: StopReason, stops: &[String]) -> (&'static str, Option<String>) {
-    match reason {
-        StopReason::MaxTokens => ("max_tokens", None),
-        StopReason::Stopped if !stops.is_empty() => {
-            ("stop_sequence", (stops.len() == 1).then(|| stops[0].clone()))
-        }
-        StopReason::StopToken | StopReason::Stopped => ("end_turn", None),
+/// Anthropic's `stop_reason`, and the stop sequence that ended the reply.
+fn stop_reason(outcome: &TurnOutcome) -> (&'static str, Option<String>) {
+    match (outcome.stats.stop_reason, &outcome.stop_string) {
+        (StopReason::MaxTokens, _) => ("max_tokens", None),
+        (_, Some(sequence)) => ("stop_sequence", Some(sequence.clone())),
+        (StopReason::StopToken | StopReason::Stopped, None) => ("end_turn", None),
     }
 }
 
@@ -392,13 +388,7 @@ impl Blocks {
 }
 
 /// The streamed events, each named by its type.
-fn stream(
-    running: run::Running,
-    mut calls: Calls,
-    id: String,
-    model: String,
-    stops: Vec<String>,
-) -> Response {
+fn stream(running: run::Running, mut calls: Calls, id: String, model: String) -> Response {
     use futures_util::StreamExt;
     let mut blocks = Blocks { index: 0, text_open: true };
     let events = stream_of(running, move |step| match step {
@@ -414,7 +404,7 @@ fn stream(
         Step::Done(outcome) => {
             let mut out = blocks.events(calls.finish());
             out.extend(blocks.close());
-            let (mut reason, sequence) = stop_reason(outcome.stats.stop_reason, &stops);
+            let (mut reason, sequence) = stop_reason(outcome);
             if calls.made() > 0 {
                 reason = "tool_use";
             }
