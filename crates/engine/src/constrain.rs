@@ -34,6 +34,15 @@ pub enum Constraint {
     },
 }
 
+/// `schema` with no optional whitespace in its JSON (a reply cannot spend its tokens on blank
+/// lines), unless its own `x-guidance` options say otherwise.
+pub fn compact(mut schema: Value) -> Value {
+    if let Some(fields) = schema.as_object_mut() {
+        fields.entry("x-guidance").or_insert(serde_json::json!({ "whitespace_flexible": false }));
+    }
+    schema
+}
+
 /// A tokenizer's vocabulary as the grammar engine reads it; built once, shared by every
 /// constrained reply.
 #[derive(Clone)]

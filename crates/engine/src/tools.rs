@@ -368,14 +368,6 @@ fn callable<'t>(tools: &'t [Value], name: Option<&str>) -> Result<Vec<(&'t str, 
     Ok(out)
 }
 
-/// A schema whose JSON has no optional whitespace (a reply cannot spend its tokens on it).
-fn compact(mut schema: Value) -> Value {
-    if let Some(fields) = schema.as_object_mut() {
-        fields.entry("x-guidance").or_insert(json!({ "whitespace_flexible": false }));
-    }
-    schema
-}
-
 /// A Lark string literal of `text`.
 fn literal(text: &str) -> String {
     Value::String(text.to_string()).to_string()
@@ -418,7 +410,7 @@ impl ToolSyntax {
                         })
                     })
                     .collect();
-                let schema = compact(json!({ "anyOf": schemas }));
+                let schema = crate::constrain::compact(json!({ "anyOf": schemas }));
                 rules.push(format!("start: {start} \"\\n\" call \"\\n\" {end}"));
                 rules.push(format!("call: %json {schema}"));
             }
@@ -508,7 +500,7 @@ fn value_rule(schema: &Value, chars: &str, quote: &str) -> String {
             Some(most) => quoted(format!("/{chars}{{0,{most}}}/")),
             None => quoted(format!("/{chars}*/")),
         },
-        _ => format!("%json {}", compact(schema.clone())),
+        _ => format!("%json {}", crate::constrain::compact(schema.clone())),
     }
 }
 

@@ -73,11 +73,6 @@ pub(crate) fn offer(
                 "a response format and a required tool call cannot be asked for together",
             ));
         }
-        if let Some(n) = name
-            && !tools.iter().any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(n))
-        {
-            return Err(ApiError::invalid(format!("tool_choice names {n:?}, which is not a tool")));
-        }
         completion.constraint = Some(Constraint::ToolCall { name: name.map(str::to_string) });
     }
     completion.tools = tools.clone();
@@ -143,12 +138,7 @@ pub(crate) fn template_call(id: &str, name: &str, arguments: Value) -> Value {
 /// cannot spend its tokens on blank lines.
 pub(crate) fn response_format(format: Option<Value>) -> Result<Option<Constraint>, ApiError> {
     let Some(format) = format else { return Ok(None) };
-    let compact = |mut schema: Value| {
-        if let Some(fields) = schema.as_object_mut() {
-            fields.entry("x-guidance").or_insert(json!({ "whitespace_flexible": false }));
-        }
-        Some(Constraint::JsonSchema(schema))
-    };
+    let compact = |schema: Value| Some(Constraint::JsonSchema(engine::constrain::compact(schema)));
     match format.get("type").and_then(Value::as_str) {
         None | Some("text") => Ok(None),
         Some("json_object") => Ok(compact(json!({ "type": "object" }))),
