@@ -38,7 +38,7 @@ CONFIGS = {
 only = sys.argv[1:]  # config names to run (all when empty)
 SHAPES = [(10240, 2560, "gate/up"), (2560, 10240, "down"), (2048, 2560, "q"), (512, 2560, "k/v"),
           (2560, 2048, "o"), (262144, 2560, "lm head")]
-MS = [1, 2, 4, 8]
+MS = [1, 2, 4, 8, 16]
 
 # Per-op floor: 64 tiny products in one graph.
 tiny = [mx.quantize((mx.random.normal((128, 512)) * 0.02).astype(mx.bfloat16), group_size=64, bits=4) for _ in range(64)]

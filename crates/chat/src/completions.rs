@@ -241,6 +241,8 @@ impl Chat {
             constraint: completion.constraint,
             resume: if self.checkpoints { cache.candidates(&identity) } else { Vec::new() },
             checkpoint_to: self.checkpoints.then(|| file.clone()),
+            // The folder is cleared when the next process opens it.
+            checkpoint_durability: engine::kv_file::Durability::Cached,
             ..Turn::new(completion.prompt)
         };
         let turn = Turn { memory_share: Some(self.app_settings().await?.memory_share), ..turn };

@@ -246,13 +246,40 @@ pub fn stack_signature(caches: &[Box<dyn Cache>]) -> String {
     caches.iter().map(|c| c.signature()).collect::<Vec<_>>().join(";")
 }
 
-/// Writes `caches` (holding exactly `tokens`) and `attachments` to `path` atomically.
+/// Whether a checkpoint write waits for the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// The file is synced before it is renamed into place and the rename synced after: it
+    /// survives a power cut (a conversation's checkpoints).
+    #[default]
+    Synced,
+    /// Left to the page cache: for files that only ever serve the process that wrote them
+    /// (the local server's prompt cache, which clears its folder at start). A sync of a large
+    /// checkpoint costs tens to hundreds of milliseconds that every row of a batch would wait.
+    Cached,
+}
+
+/// Writes `caches` (holding exactly `tokens`) and `attachments` to `path` atomically, synced
+/// ([`Durability::Synced`]).
 pub fn write(
     path: &Path,
     caches: &[Box<dyn Cache>],
     tokens: &[u32],
     identity: &Identity,
     attachments: &[Attachment],
+) -> Result<Written> {
+    write_with(path, caches, tokens, identity, attachments, Durability::Synced)
+}
+
+/// [`write`], as durable as `durability` says. Either way the file appears whole or not at
+/// all (written under a temporary name, then renamed).
+pub fn write_with(
+    path: &Path,
+    caches: &[Box<dyn Cache>],
+    tokens: &[u32],
+    identity: &Identity,
+    attachments: &[Attachment],
+    durability: Durability,
 ) -> Result<Written> {
     let offset = caches.first().map_or(0, |c| c.offset());
     if tokens.is_empty() || caches.iter().any(|c| c.offset() != offset) || offset != tokens.len() {
@@ -299,14 +326,17 @@ pub fn write(
     mlx::io::save_safetensors(&partial, &tensors, &metadata)?;
     let sha256 = digest_file(&partial).map_err(io(&partial))?;
     let bytes = std::fs::metadata(&partial).map_err(io(&partial))?.len();
-    std::fs::File::options()
-        .write(true)
-        .open(&partial)
-        .and_then(|f| f.sync_all())
-        .map_err(io(&partial))?;
+    let synced = durability == Durability::Synced;
+    if synced {
+        std::fs::File::options()
+            .write(true)
+            .open(&partial)
+            .and_then(|f| f.sync_all())
+            .map_err(io(&partial))?;
+    }
     std::fs::rename(&partial, path).map_err(io(path))?;
     // The rename is durable once the folder is synced.
-    if let Ok(folder) = std::fs::File::open(dir) {
+    if synced && let Ok(folder) = std::fs::File::open(dir) {
         let _ = folder.sync_all();
     }
     let attachments = attachments

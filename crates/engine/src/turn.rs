@@ -142,6 +142,8 @@ pub struct Turn {
     pub resume: Vec<ResumeCandidate>,
     /// Where to write the checkpoint at this turn's boundary (`None`: nowhere).
     pub checkpoint_to: Option<PathBuf>,
+    /// Whether that checkpoint is synced to disk before the turn ends.
+    pub checkpoint_durability: kv_file::Durability,
     /// `enable_thinking` for templates that take it (Qwen's): `None` is the template's
     /// default.
     pub thinking: Option<bool>,
@@ -167,6 +169,7 @@ impl Turn {
             memory_share: Some(crate::memory::DEFAULT_SHARE),
             resume: Vec::new(),
             checkpoint_to: None,
+            checkpoint_durability: kv_file::Durability::Synced,
             thinking: None,
             tools: Vec::new(),
             constraint: None,
@@ -681,6 +684,7 @@ impl ChatModel {
                     &mut caches,
                     at_prompt,
                     path,
+                    turn.checkpoint_durability,
                     &attachments,
                 )
                 .unwrap_or_else(|e| {

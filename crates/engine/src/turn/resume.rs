@@ -119,6 +119,7 @@ pub(super) fn write_boundary(
     caches: &mut [Box<dyn Cache>],
     at_prompt: Option<(&[u32], &[CacheState], bool)>,
     path: &Path,
+    durability: kv_file::Durability,
     attachments: &[kv_file::Attachment],
 ) -> Result<Option<WrittenCheckpoint>> {
     let image = chat.model().vision().map(|v| v.image_token());
@@ -132,7 +133,8 @@ pub(super) fn write_boundary(
         for (cache, state) in caches.iter_mut().zip(states) {
             cache.restore(state)?;
         }
-        let file = kv_file::write(path, caches, tokens, chat.identity(), attachments)?;
+        let file =
+            kv_file::write_with(path, caches, tokens, chat.identity(), attachments, durability)?;
         return Ok(Some(WrittenCheckpoint { file, tokens: tokens.to_vec() }));
     }
     if drop > 0 {
@@ -147,7 +149,8 @@ pub(super) fn write_boundary(
         prefill(chat.model(), caches, &boundary[keep..], 512)?;
     }
     debug_assert_eq!(stack_offset(caches), boundary.len());
-    let file = kv_file::write(path, caches, &boundary, chat.identity(), attachments)?;
+    let file =
+        kv_file::write_with(path, caches, &boundary, chat.identity(), attachments, durability)?;
     Ok(Some(WrittenCheckpoint { file, tokens: boundary }))
 }
 
@@ -190,14 +193,30 @@ mod tests {
         let path = tmp.path().join("turn.safetensors");
         // The next turn starts with the prompt and another spelling of the reply.
         let respelled: Vec<u32> = prompt.iter().chain(&[7, 8, 9, 10]).copied().collect();
-        let without =
-            write_boundary(&chat, respelled.clone(), held.clone(), &mut caches, None, &path, &[]);
+        let without = write_boundary(
+            &chat,
+            respelled.clone(),
+            held.clone(),
+            &mut caches,
+            None,
+            &path,
+            kv_file::Durability::Synced,
+            &[],
+        );
         assert!(without.unwrap().is_none(), "recurrent state cannot be trimmed back");
         let at_prompt = Some((kept.0.as_slice(), kept.1.as_slice(), false));
-        let written =
-            write_boundary(&chat, respelled.clone(), held, &mut caches, at_prompt, &path, &[])
-                .unwrap()
-                .expect("written from the prompt's state");
+        let written = write_boundary(
+            &chat,
+            respelled.clone(),
+            held,
+            &mut caches,
+            at_prompt,
+            &path,
+            kv_file::Durability::Synced,
+            &[],
+        )
+        .unwrap()
+        .expect("written from the prompt's state");
         assert_eq!(written.tokens, prompt[..split]);
         let mut restored = model.fresh_caches().unwrap();
         let contents =
@@ -222,10 +241,18 @@ mod tests {
         let held: Vec<u32> = prompt.iter().chain(&reply[..reply.len() - 1]).copied().collect();
         let extended: Vec<u32> = prompt.iter().chain(&reply).copied().collect();
         let plain = Some((kept.0.as_slice(), kept.1.as_slice(), false));
-        let written =
-            write_boundary(&chat, extended.clone(), held.clone(), &mut caches, plain, &path, &[])
-                .unwrap()
-                .unwrap();
+        let written = write_boundary(
+            &chat,
+            extended.clone(),
+            held.clone(),
+            &mut caches,
+            plain,
+            &path,
+            kv_file::Durability::Synced,
+            &[],
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(written.tokens, extended);
         let mut caches = model.fresh_caches().unwrap();
         let mut request = GenerateRequest::new(prompt.clone(), 8);
@@ -233,9 +260,18 @@ mod tests {
             prompt_state(model, &mut caches, &prompt, 0, split, &mut request).unwrap().unwrap();
         generate(model, &mut caches, &request, |_| Flow::Continue).unwrap();
         let rewritten = Some((kept.0.as_slice(), kept.1.as_slice(), true));
-        let written = write_boundary(&chat, extended, held, &mut caches, rewritten, &path, &[])
-            .unwrap()
-            .unwrap();
+        let written = write_boundary(
+            &chat,
+            extended,
+            held,
+            &mut caches,
+            rewritten,
+            &path,
+            kv_file::Durability::Synced,
+            &[],
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(written.tokens, prompt[..split]);
     }
 }

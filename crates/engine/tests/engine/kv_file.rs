@@ -50,6 +50,19 @@ fn a_restored_stack_is_bit_identical_and_continues_like_a_cold_run() {
     let leftovers: Vec<_> =
         std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(leftovers.len(), 1, "no temporary file left: {leftovers:?}");
+    // Left to the page cache (the server's prompt cache), the same file.
+    let cached_dir = tempfile::tempdir().unwrap();
+    let cached = kv_file::write_with(
+        &cached_dir.path().join("turn1.safetensors"),
+        &saved,
+        &held,
+        &identity(),
+        &[],
+        kv_file::Durability::Cached,
+    )
+    .unwrap();
+    assert_eq!((&cached.sha256, cached.bytes), (&written.sha256, written.bytes));
+    assert_eq!(std::fs::read(&cached.path).unwrap(), std::fs::read(&written.path).unwrap());
 
     let mut restored = model.fresh_caches().unwrap();
     let read = kv_file::read(&written.path, &written.sha256, &identity(), &mut restored).unwrap();

@@ -74,6 +74,23 @@ fn quantized_matmul_equals_dequantize_then_matmul() {
 }
 
 #[test]
+fn a_batch_of_single_rows_is_each_row_alone() {
+    // A batch's decode step `[B, 1, K]` is folded into `[B, K]` rows: every row's output is
+    // bit for bit what it gets alone, and the shape comes back.
+    let q = quantize(&weights(48, 256, 2), 64, 4).unwrap();
+    let x = weights(4, 256, 5).reshape(&[4, 1, 256]).unwrap();
+    let batch = q.matmul(&x, true).unwrap();
+    assert_eq!(batch.shape(), [4, 1, 48]);
+    for b in 0..4 {
+        let row = x.slice(&[b, 0, 0], &[b + 1, 1, 256], &[1, 1, 1]).unwrap();
+        let alone = q.matmul(&row, true).unwrap();
+        let got = batch.slice(&[b, 0, 0], &[b + 1, 1, 48], &[1, 1, 1]).unwrap();
+        let same = got.array_equal(&alone, false).unwrap().item::<bool>().unwrap();
+        assert!(same, "row {b} differs from its solo product");
+    }
+}
+
+#[test]
 fn gather_qmm_picks_matrices_by_index() {
     // Three stacked expert matrices [3, 16, 128]; four tokens routed to experts 2, 0, 1, 2.
     let experts =
