@@ -683,9 +683,11 @@ impl ChatModel {
                     held,
                     &mut caches,
                     at_prompt,
-                    path,
-                    turn.checkpoint_durability,
-                    &attachments,
+                    &resume::Destination {
+                        path,
+                        durability: turn.checkpoint_durability,
+                        attachments: &attachments,
+                    },
                 )
                 .unwrap_or_else(|e| {
                     tracing::warn!(path = %path.display(), "no KV checkpoint written: {e}");

@@ -103,8 +103,24 @@ pub(super) fn prompt_state(
     Ok(Some((prompt[..end].to_vec(), states)))
 }
 
+/// Where a checkpoint goes, how durably, and what rides along.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Destination<'a> {
+    pub path: &'a Path,
+    pub durability: kv_file::Durability,
+    pub attachments: &'a [kv_file::Attachment],
+}
+
+impl<'a> Destination<'a> {
+    /// `path`, synced, with no attachments.
+    #[cfg(test)]
+    fn synced(path: &'a Path) -> Destination<'a> {
+        Destination { path, durability: kv_file::Durability::Synced, attachments: &[] }
+    }
+}
+
 /// Brings `caches` (holding `held`) to `boundary`, the tokens the next turn's prompt starts
-/// with, and writes them to `path`. The reply's own tokens may re-tokenize differently: the
+/// with, and writes them to `to`'s path. The reply's own tokens may re-tokenize differently: the
 /// caches are trimmed back to the shared prefix where the storages allow it and the rest of
 /// the boundary prefilled. Where they cannot (recurrent state, a ring that wrapped), the
 /// checkpoint is written from `at_prompt` instead: the tokens and states kept where the
@@ -118,10 +134,9 @@ pub(super) fn write_boundary(
     held: Vec<u32>,
     caches: &mut [Box<dyn Cache>],
     at_prompt: Option<(&[u32], &[CacheState], bool)>,
-    path: &Path,
-    durability: kv_file::Durability,
-    attachments: &[kv_file::Attachment],
+    to: &Destination<'_>,
 ) -> Result<Option<WrittenCheckpoint>> {
+    let Destination { path, durability, attachments } = *to;
     let image = chat.model().vision().map(|v| v.image_token());
     let keep = cut_outside_images(&boundary, image, common_prefix(&held, &boundary));
     let drop = held.len() - keep;
@@ -199,9 +214,7 @@ mod tests {
             held.clone(),
             &mut caches,
             None,
-            &path,
-            kv_file::Durability::Synced,
-            &[],
+            &Destination::synced(&path),
         );
         assert!(without.unwrap().is_none(), "recurrent state cannot be trimmed back");
         let at_prompt = Some((kept.0.as_slice(), kept.1.as_slice(), false));
@@ -211,9 +224,7 @@ mod tests {
             held,
             &mut caches,
             at_prompt,
-            &path,
-            kv_file::Durability::Synced,
-            &[],
+            &Destination::synced(&path),
         )
         .unwrap()
         .expect("written from the prompt's state");
@@ -247,9 +258,7 @@ mod tests {
             held.clone(),
             &mut caches,
             plain,
-            &path,
-            kv_file::Durability::Synced,
-            &[],
+            &Destination::synced(&path),
         )
         .unwrap()
         .unwrap();
@@ -266,9 +275,7 @@ mod tests {
             held,
             &mut caches,
             rewritten,
-            &path,
-            kv_file::Durability::Synced,
-            &[],
+            &Destination::synced(&path),
         )
         .unwrap()
         .unwrap();
