@@ -271,7 +271,7 @@ pub fn write(
     write_with(path, caches, tokens, identity, attachments, Durability::Synced)
 }
 
-/// [`write`], as durable as `durability` says. Either way the file appears whole or not at
+/// [`write()`], as durable as `durability` says. Either way the file appears whole or not at
 /// all (written under a temporary name, then renamed).
 pub fn write_with(
     path: &Path,
