@@ -31,6 +31,17 @@ fn schema() -> Value {
     })
 }
 
+/// Two tools: `weather` (the schema above) and `time` (an enum and a short optional string).
+fn tools() -> Vec<Value> {
+    vec![
+        json!({"type": "function", "function": {"name": "weather", "parameters": schema()}}),
+        json!({"type": "function", "function": {"name": "time", "parameters":
+            {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]},
+            "label": {"type": "string", "maxLength": 12}}, "required": ["zone"],
+            "additionalProperties": false}}}),
+    ]
+}
+
 fn turn(text: &str, constraint: Constraint) -> Turn {
     Turn {
         max_tokens: 48,
@@ -83,13 +94,7 @@ fn a_reply_held_to_a_schema_is_valid_json_under_it() {
 #[test]
 fn a_reply_that_must_call_a_tool_writes_a_call_the_parser_reads() {
     let (_tmp, chat) = demo();
-    let tools = vec![
-        json!({"type": "function", "function": {"name": "weather", "parameters": schema()}}),
-        json!({"type": "function", "function": {"name": "time", "parameters":
-            {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]},
-            "label": {"type": "string", "maxLength": 12}}, "required": ["zone"],
-            "additionalProperties": false}}}),
-    ];
+    let tools = tools();
     let tokenizer = chat.tokenizer().unwrap();
     let mut drafters = Drafters::default();
     let question = "What is the weather in Oslo?";
@@ -177,13 +182,7 @@ fn a_forced_call_on_qwen3s_vocabulary_writes_its_markers_as_its_own_tokens() {
     let (open, close) =
         (tokenizer.token_id("<tool_call>").unwrap(), tokenizer.token_id("</tool_call>").unwrap());
     let stops = tokenizer.stop_tokens().to_vec();
-    let tools = vec![
-        json!({"type": "function", "function": {"name": "weather", "parameters": schema()}}),
-        json!({"type": "function", "function": {"name": "time", "parameters":
-            {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]},
-            "label": {"type": "string", "maxLength": 12}}, "required": ["zone"],
-            "additionalProperties": false}}}),
-    ];
+    let tools = tools();
     let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
     for syntax in [ToolSyntax::Hermes, ToolSyntax::QwenXml] {
         for name in [Some("weather"), Some("time"), None] {
