@@ -57,14 +57,16 @@ impl QuantizedMatrix {
     /// `x @ Wᵀ` when `transpose` (the layout of a linear layer's weight), else `x @ W`, without
     /// materializing `W` in floating point.
     ///
-    /// For one matrix, `x`'s leading axes are folded into its rows first: MLX-CUDA 0.32.4 runs
-    /// `[B, 1, K]` as B one-row products, each reading the whole matrix (103 µs for a
-    /// 10240×2560 4-bit matrix at B = 8 on an H100), where `[B, K]` takes its matrix-matrix
-    /// kernel and reads it once (25 µs, what one row costs). A batch's decode step is that shape.
+    /// For one matrix and several batches of rows, `x`'s leading axes are folded into its rows
+    /// first: MLX-CUDA 0.32.4 runs `[B, 1, K]` as B one-row products, each reading the whole
+    /// matrix (103 µs for a 10240×2560 4-bit matrix at B = 8 on an H100), where `[B, K]` takes
+    /// its matrix-matrix kernel and reads it once (25 µs, what one row costs). A batch's decode
+    /// step is that shape. One batch is left as it is (no reshapes in a lone compiled step).
     #[track_caller]
     pub fn matmul(&self, x: &Array, transpose: bool) -> Result<Array> {
         let shape = x.shape();
-        if self.weight.ndim() == 2 && shape.len() > 2 {
+        let batches: i32 = shape.iter().rev().skip(2).product();
+        if self.weight.ndim() == 2 && batches > 1 {
             let k = shape[shape.len() - 1];
             let y = self.matmul_raw(&x.reshape(&[-1, k])?, transpose)?;
             let mut out = shape;
