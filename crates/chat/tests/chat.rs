@@ -574,6 +574,38 @@ async fn speculative_replies_are_the_plain_replies_with_acceptance_stats() {
     chat.shutdown();
 }
 
+/// A checkpoint holding a tensor its model does not use is refused as other load errors are,
+/// naming the tensor; the model loaded before stays loaded and answers.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_checkpoint_with_a_tensor_the_model_does_not_use_is_refused_and_nothing_changes() {
+    let f = fixture();
+    let (chat, c) = ready(&f, 4).await;
+    let (before, _) = send(&chat, c, "Hi", &[]).await;
+    let extra = f.data.join("extra-tensor");
+    std::fs::create_dir_all(&extra).unwrap();
+    for entry in std::fs::read_dir(&f.model).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, extra.join(path.file_name().unwrap())).unwrap();
+    }
+    let file = mlx::io::load_safetensors(f.model.join("model.safetensors")).unwrap();
+    let mut tensors: std::collections::BTreeMap<_, _> = file.tensors.into_iter().collect();
+    let any = tensors.values().next().unwrap().clone();
+    tensors.insert("language_model.model.bogus.weight".to_string(), any);
+    let metadata = file.metadata.into_iter().collect();
+    mlx::io::save_safetensors(extra.join("model.safetensors"), &tensors, &metadata).unwrap();
+
+    let err = chat.load_model(&extra, |_| {}).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ModelLoad, "{err}");
+    assert!(err.to_string().contains("language_model.model.bogus.weight"), "{err}");
+    assert_eq!(chat.loaded().unwrap().name, "Demo (untrained)", "the loaded model stays");
+    assert!(chat.loading().is_none());
+    let again = chat.create_conversation().await.unwrap().id;
+    chat.set_settings(again, &greedy(4)).await.unwrap();
+    let (after, _) = send(&chat, again, "Hi", &[]).await;
+    assert_eq!(after.unwrap().content, before.unwrap().content, "and answers as before");
+    chat.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_draft_model_keeps_its_caches_with_the_checkpoint_across_a_restart() {
     use chat::view::Speculation;

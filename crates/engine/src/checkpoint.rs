@@ -4,16 +4,27 @@
 //! Two layouts load: mlx-community (affine-quantized or not, `language_model.model.*`) and
 //! Hugging Face (`model.language_model.*`, or `model.*` for text-only checkpoints). The model
 //! picks its tensors through a [`Weights`] view with the layout's prefix already applied.
+//!
+//! Loading is strict, as mlx-lm's and mlx-vlm's are: [`ModelDir`] records every tensor the
+//! model reads, and [`ModelDir::refuse_unread`] refuses the checkpoint when one is left that
+//! its family's [`Unread`] rule does not explain (a tensor the reference drops too). A
+//! checkpoint with a tensor Quince does not know belongs to another model, or was converted
+//! wrongly; running it without that tensor would answer as a different model.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use mlx::Array;
 use mlx::quantized::QuantizedMatrix;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+
+/// Why a family's checkpoint may hold a tensor its model leaves unread: the reference drops
+/// it too. Given the tensor's full name and `config.json`; `None` refuses the load.
+pub type Unread = fn(name: &str, config: &Value) -> Option<&'static str>;
 
 /// A model directory on disk, its config parsed and its weights loaded lazily.
 #[derive(Debug)]
@@ -23,7 +34,9 @@ pub struct ModelDir {
     /// `config.json` as JSON.
     pub config: Value,
     /// Every tensor of every shard, by name (data read when evaluated).
-    pub tensors: HashMap<String, Array>,
+    tensors: HashMap<String, Array>,
+    /// The names the model has read so far.
+    read: Mutex<HashSet<String>>,
 }
 
 impl ModelDir {
@@ -41,7 +54,50 @@ impl ModelDir {
             })?;
             tensors.extend(loaded.tensors);
         }
-        Ok(ModelDir { path, config, tensors })
+        Ok(ModelDir { path, config, tensors, read: Mutex::default() })
+    }
+
+    /// Whether the checkpoint holds `name` (full name; asking reads nothing).
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Every tensor name of the checkpoint (asking reads nothing).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// The shape of tensor `name`, if the checkpoint holds it (asking reads nothing).
+    pub fn shape(&self, name: &str) -> Option<Vec<i32>> {
+        self.tensors.get(name).map(Array::shape)
+    }
+
+    /// The tensor `name` (full name), recorded as read by the model.
+    pub fn read(&self, name: &str) -> Result<Array> {
+        let array = self
+            .tensors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::MissingTensor { name: name.into(), dir: self.path.clone() })?;
+        self.read.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string());
+        Ok(array)
+    }
+
+    /// Refuses the checkpoint when a tensor the model did not read is left that `unread` does
+    /// not explain, naming every such tensor. Call once the model is built.
+    pub fn refuse_unread(&self, unread: Unread) -> Result<()> {
+        let read = self.read.lock().unwrap_or_else(|e| e.into_inner());
+        let names: BTreeSet<&str> = self
+            .names()
+            .filter(|name| !read.contains(*name) && unread(name, &self.config).is_none())
+            .collect();
+        if names.is_empty() {
+            return Ok(());
+        }
+        Err(Error::UnusedTensors {
+            dir: self.path.clone(),
+            names: names.into_iter().map(String::from).collect(),
+        })
     }
 
     /// The weights under `prefix` (e.g. `language_model.model.`), with the quantization map.
@@ -52,6 +108,20 @@ impl ModelDir {
             quantization: Quantization::from_config(&self.config)?,
         })
     }
+}
+
+/// Whether `name` lies under the top-level module `module` (`vision_tower.`), in either layout
+/// (mlx's, or Hugging Face's under `model.`).
+pub fn under(name: &str, module: &str) -> bool {
+    name.strip_prefix("model.").unwrap_or(name).starts_with(module)
+}
+
+/// The name inside a decoder's text weights (`layers.3.self_attn.k_proj.weight`), when `name`
+/// is one, in any of the layouts (`language_model.model.`, `model.language_model.`, `model.`).
+pub fn text_part(name: &str) -> Option<&str> {
+    ["language_model.model.", "model.language_model.", "model."]
+        .iter()
+        .find_map(|prefix| name.strip_prefix(prefix))
 }
 
 /// Reads and parses a JSON file, naming the file in errors.
@@ -188,7 +258,7 @@ pub struct Weights<'a> {
 impl Weights<'_> {
     /// Whether `name` (relative to the prefix) exists.
     pub fn contains(&self, name: &str) -> bool {
-        self.dir.tensors.contains_key(&self.full(name))
+        self.dir.contains(&self.full(name))
     }
 
     fn full(&self, name: &str) -> String {
@@ -197,12 +267,7 @@ impl Weights<'_> {
 
     /// The tensor `name`, whatever its shape (the caller checks it).
     pub fn tensor(&self, name: &str) -> Result<Array> {
-        let full = self.full(name);
-        self.dir
-            .tensors
-            .get(&full)
-            .cloned()
-            .ok_or_else(|| Error::MissingTensor { name: full, dir: self.dir.path.clone() })
+        self.dir.read(&self.full(name))
     }
 
     /// The tensor `name`, checked against `shape`.
@@ -245,22 +310,21 @@ impl Weights<'_> {
                 ),
             });
         }
+        let missing =
+            |name: &str| Error::MissingTensor { name: self.full(name), dir: self.dir.path.clone() };
         let raw_weight =
-            self.dir.tensors.get(&self.full(&weight_name)).cloned().ok_or_else(|| {
-                Error::MissingTensor { name: self.full(&weight_name), dir: self.dir.path.clone() }
-            })?;
-        let scales = self.dir.tensors.get(&self.full(&scales_name)).cloned().ok_or_else(|| {
-            Error::MissingTensor { name: self.full(&scales_name), dir: self.dir.path.clone() }
-        })?;
-        let packed_cols = raw_weight.dim(-1)?;
-        let groups = scales.dim(-1)?;
+            self.dir.shape(&self.full(&weight_name)).ok_or_else(|| missing(&weight_name))?;
+        let scales =
+            self.dir.shape(&self.full(&scales_name)).ok_or_else(|| missing(&scales_name))?;
+        let packed_cols = raw_weight.last().copied().unwrap_or(0);
+        let groups = scales.last().copied().unwrap_or(0);
         let inferred =
             QuantSpec { group_size: cols / groups.max(1), bits: 32 * packed_cols / cols.max(1) };
         let spec = named.flatten().or(self.quantization.default).unwrap_or(inferred);
         if spec != inferred || cols % spec.group_size != 0 {
             return Err(Error::TensorShape {
                 name: self.full(&weight_name),
-                actual: raw_weight.shape(),
+                actual: raw_weight,
                 expected: shape(&[rows, cols * spec.bits / 32]),
             });
         }

@@ -43,6 +43,21 @@ pub enum Error {
         /// The model directory.
         dir: PathBuf,
     },
+    /// The checkpoint holds tensors the model does not use (a checkpoint of another model, or
+    /// converted wrongly): loaded without them it would answer as a different model.
+    #[error(
+        "{} holds {} this model does not use: {}. The checkpoint was made for another model or \
+         converted wrongly, and without them it would not answer as the model it was made from.",
+        dir.display(),
+        if names.len() == 1 { "a tensor".to_string() } else { format!("{} tensors", names.len()) },
+        crate::error::listed(names)
+    )]
+    UnusedTensors {
+        /// The model directory.
+        dir: PathBuf,
+        /// Every such tensor, sorted.
+        names: Vec<String>,
+    },
     /// A tensor has the wrong shape.
     #[error("tensor {name} has shape {actual:?}, expected {expected:?}")]
     TensorShape {
@@ -144,6 +159,16 @@ pub enum Error {
     /// A request argument is invalid (empty prompt, token id out of range, bad sampling value).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+}
+
+/// The first names of a list, and how many more there are.
+fn listed(names: &[String]) -> String {
+    const SHOWN: usize = 8;
+    let mut text = names.iter().take(SHOWN).cloned().collect::<Vec<_>>().join(", ");
+    if names.len() > SHOWN {
+        text.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    text
 }
 
 /// `Result` with the engine's [`Error`].

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::checkpoint::{ModelDir, read_json};
+use crate::checkpoint::{ModelDir, Unread, read_json};
 use crate::error::{Error, Result};
 use crate::models::{self, Model};
 use crate::options::LoadOptions;
@@ -34,6 +34,9 @@ pub struct Family {
     pub loader: Loader,
     /// Whether a checkpoint's config gives it a vision tower.
     pub takes_images: fn(&Value) -> bool,
+    /// The tensors its checkpoints may hold that the model leaves unread, each with the
+    /// reason (the reference drops them too); any other unread tensor refuses the load.
+    pub unread: Unread,
 }
 
 impl Family {
@@ -50,30 +53,35 @@ pub const FAMILIES: &[Family] = &[
         model_types: &["gemma4", "gemma4_text"],
         loader: Loader::Model(models::gemma4::load),
         takes_images: models::gemma4::takes_images,
+        unread: models::gemma4::unread,
     },
     Family {
         name: "Gemma 3",
         model_types: &["gemma3", "gemma3_text"],
         loader: Loader::Model(models::gemma3::load),
         takes_images: models::gemma3::takes_images,
+        unread: models::gemma3::unread,
     },
     Family {
         name: "Qwen3.5",
         model_types: &["qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"],
         loader: Loader::Model(models::qwen3_5::load),
         takes_images: models::qwen3_5::takes_images,
+        unread: models::qwen3_5::unread,
     },
     Family {
         name: "Qwen3.5 MTP",
         model_types: &["qwen3_5_mtp"],
         loader: Loader::Drafter(models::qwen3_5::mtp::load),
         takes_images: |_| false,
+        unread: |_, _| None,
     },
     Family {
         name: "Gemma 4 assistant",
         model_types: &["gemma4_assistant"],
         loader: Loader::Drafter(models::gemma4::load_assistant),
         takes_images: |_| false,
+        unread: models::gemma4::assistant_unread,
     },
 ];
 
@@ -114,8 +122,13 @@ pub fn inspect(path: &Path) -> Result<&'static Family> {
 /// Loads the model a checkpoint directory holds, by its `model_type`.
 pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Box<dyn Model>> {
     let dir = ModelDir::open(path)?;
-    match family_of(&dir.config)?.loader {
-        Loader::Model(load) => load(&dir, options),
+    let family = family_of(&dir.config)?;
+    match family.loader {
+        Loader::Model(load) => {
+            let model = load(&dir, options)?;
+            dir.refuse_unread(family.unread)?;
+            Ok(model)
+        }
         Loader::Drafter(_) => Err(Error::Unsupported {
             key: "model_type".into(),
             value: model_type_of(&dir.config).into(),
@@ -127,8 +140,13 @@ pub fn load_model(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Box<d
 /// Loads the drafter a checkpoint directory holds, by its `model_type`.
 pub fn load_drafter(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Box<dyn DraftMethod>> {
     let dir = ModelDir::open(path)?;
-    match family_of(&dir.config)?.loader {
-        Loader::Drafter(load) => load(&dir, options),
+    let family = family_of(&dir.config)?;
+    match family.loader {
+        Loader::Drafter(load) => {
+            let drafter = load(&dir, options)?;
+            dir.refuse_unread(family.unread)?;
+            Ok(drafter)
+        }
         Loader::Model(_) => Err(Error::Unsupported {
             key: "model_type".into(),
             value: model_type_of(&dir.config).into(),

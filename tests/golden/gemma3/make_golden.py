@@ -115,6 +115,11 @@ def gemma3_config() -> dict:
 CHECKPOINTS = {
     "text": dict(kind="gemma3_text", seed=11, prompt_seed=111),
     "text_q4": dict(kind="quantized_text", source="text", bits=4, group_size=32, prompt_seed=111),
+    # An untied output head (`lm_head.weight` in the file; the config still says tied, and
+    # mlx-lm unties by the file), f32 and quantized with the rest.
+    "text_untied": dict(kind="gemma3_text", seed=13, prompt_seed=113, untied=True),
+    "text_untied_q4": dict(kind="quantized_text", source="text_untied", bits=4, group_size=32,
+                           prompt_seed=113),
     "vlm": dict(kind="gemma3", seed=12, prompt_seed=112),
 }
 
@@ -139,11 +144,16 @@ def random_weights(model, seed: int) -> dict:
     return out
 
 
-def build_text(seed: int):
+def build_text(seed: int, untied: bool = False):
+    """mlx-lm's model with random weights: its head tied to the embedding (no `lm_head` in the
+    file), or untied, as mlx-lm's sanitize decides from the weights it is given."""
     model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(TEXT))
     weights = random_weights(model, seed)
-    weights.pop("lm_head.weight", None)
-    weights = model.sanitize(weights)  # no lm_head: tied to the embedding
+    if not untied:
+        weights.pop("lm_head.weight", None)
+    weights = model.sanitize(weights)
+    if untied != ("lm_head" in model):
+        raise RuntimeError("mlx-lm's sanitize did not decide the head by the weights")
     model.update(tree_unflatten(list(weights.items())))
     return model
 
@@ -440,7 +450,8 @@ def generate(out: Path, log=print) -> dict:
         notes = {}
         prompt = g4.make_prompt(spec["prompt_seed"])
         if spec["kind"] == "gemma3_text":
-            g4.write_checkpoint(folder, TEXT, build_text(spec["seed"]), "mlx_lm")
+            model = build_text(spec["seed"], spec.get("untied", False))
+            g4.write_checkpoint(folder, TEXT, model, "mlx_lm")
             g = goldens(name, folder, prompt, "gemma3_text", True, notes)
         elif spec["kind"] == "quantized_text":
             qconfig, model = quantize_text(out / spec["source"], spec["bits"], spec["group_size"])

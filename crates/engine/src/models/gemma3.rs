@@ -21,7 +21,7 @@ pub mod vision;
 use serde_json::Value;
 
 use crate::backend::Ops;
-use crate::checkpoint::ModelDir;
+use crate::checkpoint::{ModelDir, under};
 use crate::error::{Error, Result};
 use crate::models::Model;
 use crate::models::gemma4::config::Variant;
@@ -39,9 +39,7 @@ pub fn load(dir: &ModelDir, options: &LoadOptions) -> Result<Box<dyn Model>> {
         // A checkpoint converted by mlx-lm keeps `vision_config` but not the tower.
         Some(v)
             if takes_images(top)
-                && dir.tensors.contains_key(
-                    "vision_tower.vision_model.embeddings.patch_embedding.weight",
-                ) =>
+                && dir.contains("vision_tower.vision_model.embeddings.patch_embedding.weight") =>
         {
             let vision: VisionConfig = serde_json::from_value(v.clone()).map_err(|e| {
                 Error::Config { file: "config.json".into(), message: format!("vision_config: {e}") }
@@ -65,4 +63,12 @@ pub fn load(dir: &ModelDir, options: &LoadOptions) -> Result<Box<dyn Model>> {
 /// Whether a `gemma3` config has a vision tower (the library tells without loading).
 pub fn takes_images(config: &Value) -> bool {
     config.get("vision_config").is_some_and(|v| !v.is_null())
+}
+
+/// Why a Gemma 3 checkpoint may hold `name` unread: what mlx-lm 0.32.2's `gemma3` drops too
+/// ([`crate::checkpoint::Unread`]). Its output head is read whenever it is there.
+pub fn unread(name: &str, config: &Value) -> Option<&'static str> {
+    let vision = ["vision_tower.", "multi_modal_projector."].iter().any(|m| under(name, m));
+    (vision && !takes_images(config))
+        .then_some("a vision tower the config has no vision_config for (a text-only load)")
 }

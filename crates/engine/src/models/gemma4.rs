@@ -23,7 +23,7 @@ pub use assistant::Gemma4Assistant;
 pub use config::{Gemma4TextConfig, RopeParameters};
 pub use text::Gemma4Text;
 
-use crate::checkpoint::ModelDir;
+use crate::checkpoint::{ModelDir, text_part, under};
 use crate::error::Result;
 use crate::models::DraftMethod;
 use crate::models::Model;
@@ -42,4 +42,53 @@ pub fn load_assistant(dir: &ModelDir, options: &LoadOptions) -> Result<Box<dyn D
 /// Whether a `gemma4` config has a vision tower (the library tells without loading).
 pub fn takes_images(config: &Value) -> bool {
     config.get("vision_config").is_some_and(|v| !v.is_null())
+}
+
+/// Why a Gemma 4 checkpoint may hold `name` unread: what mlx-lm 0.32.2 (`gemma4_text`,
+/// `gemma4`) and mlx-vlm 0.7.10 (`gemma4`) drop too ([`crate::checkpoint::Unread`]).
+pub fn unread(name: &str, config: &Value) -> Option<&'static str> {
+    if name.contains("self_attn.rotary_emb") {
+        return Some("rotary tables: computed from the config");
+    }
+    if under(name, "audio_tower.") || under(name, "embed_audio.") {
+        return Some("the audio tower: Quince takes no audio");
+    }
+    let vision = ["vision_tower.", "embed_vision.", "multi_modal_projector.", "vision_embedder."]
+        .iter()
+        .any(|m| under(name, m));
+    if vision && !takes_images(config) {
+        return Some("a vision tower the config has no vision_config for (a text-only load)");
+    }
+    let clip = ["input_max", "input_min", "output_max", "output_min"]
+        .iter()
+        .any(|b| name.ends_with(&format!(".{b}")));
+    let clips = config
+        .get("vision_config")
+        .and_then(|v| v.get("use_clipped_linears"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    if clip && !(under(name, "vision_tower.") && clips) {
+        return Some("clipping bounds of linears that do not clip (use_clipped_linears)");
+    }
+    let shared_kv = text_part(name).and_then(|rest| {
+        let (layer, rest) = rest.strip_prefix("layers.")?.split_once('.')?;
+        let kv = ["self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm."];
+        kv.iter().any(|m| rest.starts_with(m)).then_some(layer.parse::<usize>().ok()?)
+    });
+    if let Some(layer) = shared_kv
+        && let Ok((c, _)) = Gemma4TextConfig::from_checkpoint_config(config)
+        && layer >= c.num_hidden_layers - c.num_kv_shared_layers
+        && layer < c.num_hidden_layers
+    {
+        return Some("keys and values of a KV-sharing layer: it reads its donor's");
+    }
+    None
+}
+
+/// Why a Gemma 4 assistant checkpoint may hold `name` unread (mlx-vlm 0.7.10's
+/// `gemma4_assistant` drops the same).
+pub fn assistant_unread(name: &str, config: &Value) -> Option<&'static str> {
+    let tied = config.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true);
+    (name == "lm_head.weight" && tied)
+        .then_some("an output head tied to the embedding (tie_word_embeddings)")
 }

@@ -18,7 +18,7 @@ pub mod vision;
 
 use serde_json::Value;
 
-use crate::checkpoint::ModelDir;
+use crate::checkpoint::{ModelDir, under};
 use crate::error::Result;
 use crate::models::Model;
 use crate::options::LoadOptions;
@@ -33,4 +33,23 @@ pub fn load(dir: &ModelDir, options: &LoadOptions) -> Result<Box<dyn Model>> {
 /// Whether a checkpoint takes images: it has a vision tower.
 pub fn takes_images(config: &Value) -> bool {
     config.get("vision_config").is_some_and(|v| !v.is_null())
+}
+
+/// Why a Qwen3.5 checkpoint may hold `name` unread: what mlx-lm 0.32.2 (`qwen3_5`,
+/// `qwen3_5_moe`) drops too ([`crate::checkpoint::Unread`]).
+pub fn unread(name: &str, config: &Value) -> Option<&'static str> {
+    if name.split('.').any(|part| part == "mtp") {
+        return Some(
+            "the multi-token-prediction head: the model loads without it, and it drafts from \
+             its own qwen3_5_mtp folder",
+        );
+    }
+    let vision = under(name, "vision_tower.") || under(name, "visual.");
+    if vision && !takes_images(config) {
+        return Some("a vision tower the config has no vision_config for (a text-only load)");
+    }
+    let head = name == "lm_head.weight" || name == "language_model.lm_head.weight";
+    let tied =
+        config::TextConfig::from_checkpoint_config(config).is_ok_and(|c| c.tie_word_embeddings);
+    (head && tied).then_some("an output head tied to the embedding (tie_word_embeddings)")
 }

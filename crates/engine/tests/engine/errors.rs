@@ -1,10 +1,12 @@
 //! Bad checkpoints and requests give clear errors that name what is wrong.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use engine::Error;
 use engine::generate::{Flow, GenerateRequest, generate};
+use mlx::Array;
 use serde_json::Value;
 
 /// A copy of the `dense` golden checkpoint in a temp dir, with `edit` applied to its config.
@@ -181,4 +183,161 @@ fn stop_tokens_and_cancellation_end_generation() {
         .unwrap();
     assert_eq!(cancelled.tokens, free.tokens[..5].to_vec());
     assert_eq!(cancelled.stop_reason, engine::generate::StopReason::Stopped);
+}
+
+fn golden(folder: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/golden").join(folder)
+}
+
+/// A copy of the golden checkpoint `folder` (config, index, preprocessor settings) whose
+/// tensors `edit` changes.
+fn with_tensors(
+    folder: &str,
+    edit: impl FnOnce(&mut BTreeMap<String, Array>),
+) -> (tempfile::TempDir, PathBuf) {
+    let source = golden(folder);
+    let dir = tempfile::tempdir().unwrap();
+    for entry in fs::read_dir(&source).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.ends_with(".json") {
+            fs::copy(&path, dir.path().join(&name)).unwrap();
+        }
+    }
+    let file = mlx::io::load_safetensors(source.join("model.safetensors")).unwrap();
+    let mut tensors: BTreeMap<String, Array> = file.tensors.into_iter().collect();
+    edit(&mut tensors);
+    let metadata: BTreeMap<String, String> = file.metadata.into_iter().collect();
+    mlx::io::save_safetensors(dir.path().join("model.safetensors"), &tensors, &metadata).unwrap();
+    let path = dir.path().to_path_buf();
+    (dir, path)
+}
+
+/// Loads a model or a drafter folder, by its family.
+fn load(path: &Path) -> engine::Result<()> {
+    let options = engine::LoadOptions::default();
+    match engine::registry::inspect(path)?.is_drafter() {
+        true => engine::registry::load_drafter(path, &options).map(drop),
+        false => engine::registry::load_model(path, &options).map(drop),
+    }
+}
+
+/// Every family and drafter, in each layout the goldens hold: a tensor the model does not
+/// know refuses the load, named (with every other such tensor), and so does a missing one.
+#[test]
+fn a_tensor_the_model_does_not_use_or_lacks_is_refused_by_name_in_every_family() {
+    // (golden folder, a tensor the model needs)
+    let cases = [
+        ("gemma4/dense", "language_model.model.norm.weight"),
+        ("gemma4/dense", "vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"),
+        ("gemma4/moe_q4", "model.layers.1.router.scale"),
+        ("gemma4/text_only", "model.layers.0.self_attn.q_norm.weight"),
+        ("gemma3/text", "model.norm.weight"),
+        ("gemma3/text_untied_q4", "lm_head.biases"),
+        ("gemma3/vlm", "multi_modal_projector.mm_input_projection_weight"),
+        ("qwen3_5/dense", "language_model.model.layers.0.linear_attn.A_log"),
+        ("qwen3_5/dense_hf", "model.language_model.layers.3.self_attn.q_norm.weight"),
+        ("qwen3_5/moe_q4", "language_model.model.layers.0.mlp.shared_expert_gate.biases"),
+        ("qwen3_5/vision", "vision_tower.merger.linear_fc2.weight"),
+        ("qwen3_5/mtp", "pre_fc_norm_hidden.weight"),
+        ("assistant/assistant", "masked_embedding.centroids.weight"),
+    ];
+    for (folder, needed) in cases {
+        let (_dir, path) = with_tensors(folder, |_| {});
+        load(&path).unwrap_or_else(|e| panic!("{folder}: an unchanged copy loads: {e}"));
+
+        let (_dir, path) = with_tensors(folder, |t| {
+            let any = t.values().next().unwrap().clone();
+            t.insert("model.bogus.weight".into(), any.clone());
+            t.insert("zz_extra".into(), any);
+        });
+        let err = load(&path).expect_err(folder);
+        match &err {
+            Error::UnusedTensors { names, .. } => {
+                assert_eq!(names, &["model.bogus.weight", "zz_extra"], "{folder}")
+            }
+            other => panic!("{folder}: expected the unused tensors named, got {other:?}"),
+        }
+        assert!(err.to_string().contains("model.bogus.weight, zz_extra"), "{err}");
+
+        let (_dir, path) = with_tensors(folder, |t| {
+            assert!(t.remove(needed).is_some(), "{folder} holds {needed}");
+        });
+        let err = load(&path).expect_err(folder);
+        assert!(
+            matches!(&err, Error::MissingTensor { name, .. } if name == needed),
+            "{folder}: expected {needed} named missing, got {err:?}"
+        );
+    }
+}
+
+/// What the reference drops is left unread without a word: rotary tables, a KV-sharing layer's
+/// keys and values, an audio tower, a tied head, a Qwen3.5 target's MTP layers, and a vision
+/// tower the config does not enable. The same tensors where the model reads them are not
+/// excused: a vision tower the config enables must be whole.
+#[test]
+fn what_the_reference_drops_loads_and_nothing_more() {
+    let any = || Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+    let dropped = [
+        ("gemma4/dense", "language_model.model.layers.0.self_attn.rotary_emb.inv_freq"),
+        ("gemma4/dense", "language_model.model.layers.5.self_attn.k_proj.weight"),
+        ("gemma4/dense", "language_model.model.layers.4.self_attn.k_norm.weight"),
+        ("gemma4/dense", "audio_tower.layers.0.weight"),
+        ("gemma4/dense", "embed_audio.embedding_projection.weight"),
+        ("gemma4/dense", "vision_tower.encoder.layers.0.mlp.up_proj.input_max"),
+        ("gemma4/text_only", "model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"),
+        ("gemma3/text", "vision_tower.vision_model.post_layernorm.weight"),
+        ("qwen3_5/dense", "language_model.mtp.fc.weight"),
+        ("qwen3_5/dense_hf", "mtp.layers.0.input_layernorm.weight"),
+        ("qwen3_5/moe", "language_model.lm_head.weight"),
+        ("qwen3_5/dense", "model.visual.blocks.0.norm1.weight"),
+        ("assistant/assistant", "lm_head.weight"),
+    ];
+    for (folder, name) in dropped {
+        let (_dir, path) = with_tensors(folder, |t| {
+            assert!(t.insert(name.into(), any()).is_none(), "{folder} has no {name} yet");
+        });
+        load(&path).unwrap_or_else(|e| panic!("{folder} with {name}: {e}"));
+    }
+    let refused = [
+        // Layer 3 is the last to keep its own keys and values (2 of 6 layers share).
+        ("gemma4/dense", "language_model.model.layers.3.self_attn.k_proj.bias"),
+        ("gemma4/dense", "vision_tower.encoder.layers.0.mlp.extra.weight"),
+        ("gemma3/vlm", "vision_tower.vision_model.extra.weight"),
+        ("qwen3_5/vision", "vision_tower.blocks.0.extra.weight"),
+        ("qwen3_5/mtp", "lm_head.weight"),
+    ];
+    for (folder, name) in refused {
+        let (_dir, path) = with_tensors(folder, |t| {
+            t.insert(name.into(), any());
+        });
+        let err = load(&path).expect_err(name);
+        assert!(
+            matches!(&err, Error::UnusedTensors { names, .. } if names == &[name]),
+            "{folder}: {err:?}"
+        );
+    }
+}
+
+/// A draft model is loaded as a model is: a tensor it does not use fails the reply that asks
+/// for it, named, with the way out.
+#[test]
+fn a_draft_model_with_a_tensor_it_does_not_use_is_refused_by_name() {
+    use engine::speculative::Speculation;
+    use engine::turn::{ChatModel, Drafters, Prompt, Turn};
+    let (_dir, draft) = with_tensors("gemma4/dense_q4", |t| {
+        let any = t.values().next().unwrap().clone();
+        t.insert("model.bogus.weight".into(), any);
+    });
+    let chat = ChatModel::load(&golden("gemma4/dense"), &engine::LoadOptions::default()).unwrap();
+    let mut drafters = Drafters::new(engine::LoadOptions::default());
+    let turn = Turn {
+        max_tokens: 4,
+        speculation: Speculation::Draft { model: draft },
+        ..Turn::new(Prompt::Tokens { ids: vec![2, 40, 41, 42], images: Vec::new() })
+    };
+    let err = chat.answer(&turn, &mut drafters, |_| Flow::Continue).unwrap_err();
+    assert!(matches!(err, Error::Drafter { .. }), "{err:?}");
+    assert!(err.to_string().contains("model.bogus.weight"), "{err}");
+    assert!(err.to_string().contains("turn speculative decoding off"), "{err}");
 }

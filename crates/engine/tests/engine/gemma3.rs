@@ -1,8 +1,9 @@
 //! Gemma 3 text against the reference: logits of mlx-lm 0.32.2 (`gemma3_text`, and the text
 //! path of an mlx-vlm 0.7.10 `gemma3` checkpoint) and their greedy continuation, recorded by
-//! `tests/golden/gemma3/make_golden.py` on tiny random-weight checkpoints (f32 and 4-bit). The
-//! sliding window (6) is shorter than the 40-token prompt, the global layers scale rope
-//! linearly (factor 8), and `query_pre_attn_scalar` (48) differs from the head size (32).
+//! `tests/golden/gemma3/make_golden.py` on tiny random-weight checkpoints (f32 and 4-bit, with
+//! the output head tied to the embedding or untied). The sliding window (6) is shorter than
+//! the 40-token prompt, the global layers scale rope linearly (factor 8), and
+//! `query_pre_attn_scalar` (48) differs from the head size (32).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -35,6 +36,18 @@ fn text_f32_matches_the_reference() {
 #[test]
 fn text_four_bit_matches_the_reference() {
     check_checkpoint(&golden_dir("text_q4"), 1e-3);
+}
+
+/// A checkpoint that holds `lm_head.weight` answers through it, whatever the config says of
+/// tying, as mlx-lm decides (its config says tied: the embedding would give other logits).
+#[test]
+fn an_untied_head_matches_the_reference() {
+    check_checkpoint(&golden_dir("text_untied"), 1e-4);
+}
+
+#[test]
+fn an_untied_four_bit_head_matches_the_reference() {
+    check_checkpoint(&golden_dir("text_untied_q4"), 1e-4);
 }
 
 #[test]

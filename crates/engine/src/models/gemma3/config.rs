@@ -55,8 +55,6 @@ struct TextConfig {
     layer_types: Option<Vec<String>>,
     #[serde(default = "default_max_positions")]
     max_position_embeddings: usize,
-    #[serde(default = "default_true")]
-    tie_word_embeddings: bool,
     #[serde(default)]
     attn_logit_softcapping: Option<f64>,
     #[serde(default)]
@@ -91,9 +89,6 @@ fn default_pattern() -> usize {
 }
 fn default_max_positions() -> usize {
     131_072
-}
-fn default_true() -> bool {
-    true
 }
 
 fn config_error(message: String) -> Error {
@@ -224,7 +219,9 @@ pub fn text_config(config: &Value) -> Result<(Gemma4TextConfig, String)> {
         num_experts: None,
         top_k_experts: None,
         moe_intermediate_size: None,
-        tie_word_embeddings: c.tie_word_embeddings,
+        // Gemma 3's head is untied exactly when the checkpoint holds one, whatever the config
+        // says (`Variant::GEMMA3.head_from_checkpoint`, as mlx-lm decides).
+        tie_word_embeddings: true,
         max_position_embeddings: c.max_position_embeddings,
         eos_token_id: c.eos_token_id.or_else(|| config.get("eos_token_id").cloned()),
         attention_scale: Some(c.query_pre_attn_scalar.powf(-0.5) as f32),

@@ -27,6 +27,9 @@ pub struct Variant {
     pub embed_scale_bf16: bool,
     /// The model lends the Gemma 4 assistant its reads ([`crate::models::AssistantRows`]).
     pub assistant_port: bool,
+    /// The output head is untied exactly when the checkpoint holds `lm_head.weight`, whatever
+    /// `tie_word_embeddings` says (mlx-lm's Gemma 3 `sanitize`); otherwise the config decides.
+    pub head_from_checkpoint: bool,
 }
 
 impl Variant {
@@ -38,6 +41,7 @@ impl Variant {
         layer_scalar: true,
         embed_scale_bf16: false,
         assistant_port: true,
+        head_from_checkpoint: false,
     };
     /// Gemma 3.
     pub const GEMMA3: Variant = Variant {
@@ -47,6 +51,7 @@ impl Variant {
         layer_scalar: false,
         embed_scale_bf16: true,
         assistant_port: false,
+        head_from_checkpoint: true,
     };
 
     /// The norm of a stored weight, as this variant scales by it.

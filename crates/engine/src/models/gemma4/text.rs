@@ -98,9 +98,7 @@ impl Gemma4Text {
         let images: Option<Box<dyn Vision>> = match top.get("vision_config") {
             Some(v)
                 if !v.is_null()
-                    && dir
-                        .tensors
-                        .contains_key("vision_tower.patch_embedder.input_proj.weight") =>
+                    && dir.contains("vision_tower.patch_embedder.input_proj.weight") =>
             {
                 let vc: VisionConfig =
                     serde_json::from_value(v.clone()).map_err(|e| Error::Config {
@@ -132,8 +130,7 @@ impl Gemma4Text {
         let Parts { config, mut prefix, variant, images, bidirectional_vision } = parts;
         let stack = options.stacks_projections(ops.has_kernels());
         // Hugging Face layout of the multimodal checkpoint: `model.language_model.*`.
-        if prefix == "language_model.model." && !dir.tensors.keys().any(|k| k.starts_with(&prefix))
-        {
+        if prefix == "language_model.model." && !dir.names().any(|k| k.starts_with(&prefix)) {
             prefix = "model.language_model.".into();
         }
         let w = dir.weights(&prefix)?;
@@ -185,10 +182,15 @@ impl Gemma4Text {
             layers.push(load_layer(&w, c, &variant, i, i >= first_shared, stack)?);
         }
         let norm = variant.norm(w.get("norm.weight", &[hidden])?, c.rms_norm_eps)?;
-        let lm_head = if c.tie_word_embeddings {
+        let root = Weights::from_prefix_parent(dir, &prefix)?;
+        let tied = if variant.head_from_checkpoint {
+            !root.contains("lm_head.weight")
+        } else {
+            c.tie_word_embeddings
+        };
+        let lm_head = if tied {
             None
         } else {
-            let root = Weights::from_prefix_parent(dir, &prefix)?;
             Some(Linear::new(root.matrix("lm_head", c.vocab_size, hidden)?))
         };
         let sliding_dims = c.head_dim;

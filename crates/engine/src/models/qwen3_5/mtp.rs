@@ -68,7 +68,7 @@ impl Qwen35Mtp {
             .and_then(|t| t.get("mtp_num_hidden_layers"))
             .and_then(Value::as_u64)
             .unwrap_or(1) as usize;
-        let hf_layout = !dir.tensors.contains_key("fc.weight");
+        let hf_layout = !dir.contains("fc.weight");
         let prefix = if hf_layout { "mtp." } else { "" };
         let w = dir.weights(prefix)?;
         let norms = NormLoader { hf_layout, eps: config.rms_norm_eps };

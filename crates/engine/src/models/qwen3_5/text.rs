@@ -155,7 +155,7 @@ impl Qwen35Text {
         let (model_prefix, head_prefix) =
             ["language_model.model.", "model.language_model.", "model."]
                 .into_iter()
-                .find(|p| dir.tensors.contains_key(&format!("{p}embed_tokens.weight")))
+                .find(|p| dir.contains(&format!("{p}embed_tokens.weight")))
                 .map(|p| {
                     let head = if p == "language_model.model." { "language_model." } else { "" };
                     (p, head)
@@ -333,7 +333,7 @@ fn load_images(dir: &ModelDir, config: &TextConfig, ops: &Ops) -> Result<Option<
     };
     let Some(prefix) = ["vision_tower.", "model.visual."]
         .into_iter()
-        .find(|p| dir.tensors.contains_key(&format!("{p}patch_embed.proj.weight")))
+        .find(|p| dir.contains(&format!("{p}patch_embed.proj.weight")))
     else {
         return Ok(None);
     };
@@ -349,9 +349,9 @@ fn load_images(dir: &ModelDir, config: &TextConfig, ops: &Ops) -> Result<Option<
 /// Whether the checkpoint is in Hugging Face's layout: its convolution kernels are stored
 /// `[C, 1, K]` (mlx-lm's own test for its sanitize).
 fn hf_layout(dir: &ModelDir, config: &TextConfig) -> bool {
-    dir.tensors.iter().any(|(name, t)| {
+    dir.names().any(|name| {
         name.ends_with("conv1d.weight")
-            && t.dim(-1).ok() != Some(1)
+            && dir.shape(name).and_then(|s| s.last().copied()) != Some(1)
             && config.linear_conv_kernel_dim != 1
     })
 }
