@@ -44,6 +44,8 @@ pub struct ModelInfo {
     pub kv_costs: KvCosts,
     /// Whether its chat template turns thinking on and off (`enable_thinking`).
     pub thinking: bool,
+    /// How it writes tool calls (Hermes without a tokenizer).
+    pub tool_syntax: engine::tools::ToolSyntax,
 }
 
 /// What a reply emits while it is generated.
@@ -285,6 +287,9 @@ fn info(chat: &ChatModel) -> ModelInfo {
             turbo3: engine::cache::KvFormat::turbo(3.0).map_or(0, cost),
         },
         thinking: chat.tokenizer().is_some_and(|t| t.takes_thinking()),
+        tool_syntax: chat
+            .tokenizer()
+            .map_or(engine::tools::ToolSyntax::Hermes, |t| t.tool_syntax()),
     }
 }
 
@@ -495,8 +500,8 @@ impl Together<'_, '_> {
                 let reason = format!(
                     "its KV cache ({}) fits the memory limit only once a reply running now has \
                      finished ({} free beside them)",
-                    engine::memory::human(needed),
-                    engine::memory::human(available)
+                    engine::units::human(needed),
+                    engine::units::human(available)
                 );
                 if front {
                     self.tell(&pending, reason);

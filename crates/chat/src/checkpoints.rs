@@ -5,7 +5,7 @@ use std::path::Path;
 
 use engine::turn::WrittenCheckpoint;
 
-use crate::{Chat, Result, lock};
+use crate::{Chat, Result};
 
 impl Chat {
     /// the ones found damaged, and keeps the files within the disk budget.
@@ -25,7 +25,7 @@ impl Chat {
         if let Some(id) = resumed_from {
             self.store.touch_checkpoint(id).await?;
         }
-        let identity = lock(&self.identity).clone();
+        let identity = self.identity();
         let (Some(written), Some(identity)) = (written, identity) else { return Ok(()) };
         let attachments = written.file.attachments.clone();
         let new = self

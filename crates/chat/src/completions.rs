@@ -209,11 +209,8 @@ impl Chat {
 
     /// How the loaded model writes tool calls (from its chat template); `None` when no model is
     /// loaded.
-    pub fn tool_syntax(&self) -> Result<Option<engine::tools::ToolSyntax>> {
-        let Some(model) = self.loaded() else { return Ok(None) };
-        let template = engine::tokenizer::read_template(std::path::Path::new(&model.path))
-            .map_err(|e| Error::Invalid(e.to_string()))?;
-        Ok(Some(engine::tools::ToolSyntax::of_template(template.as_deref())))
+    pub fn tool_syntax(&self) -> Option<engine::tools::ToolSyntax> {
+        lock(&self.engine_info).as_ref().map(|info| info.tool_syntax)
     }
 
     /// Starts answering `completion` with the loaded model, beside the app's replies (it joins
@@ -222,7 +219,7 @@ impl Chat {
         if lock(&self.loading).is_some() {
             return Err(Error::Busy("a model is loading; ask again when it has loaded".into()));
         }
-        let (Some(model), Some(identity)) = (self.loaded(), lock(&self.identity).clone()) else {
+        let (Some(model), Some(identity)) = (self.loaded(), self.identity()) else {
             return Err(Error::ModelMissing("no model is loaded".into()));
         };
         let cache = self.prompt_cache.clone();

@@ -36,7 +36,6 @@ pub use attachments::{attachment_mime, is_attachment_name};
 pub use completions::{Completion, CompletionStream};
 /// The MLX settings every front end applies at start, before any MLX op.
 pub use engine::configure_mlx;
-use engine::kv_file::Identity;
 pub use error::{Error, Result};
 use store::Store;
 use view::{LoadedModel, Settings};
@@ -70,8 +69,8 @@ pub struct Chat {
     running: Arc<Mutex<HashMap<i64, Generation>>>,
     loaded: Arc<Mutex<Option<LoadedModel>>>,
     loading: Arc<Mutex<Option<models::Loading>>>,
-    /// The loaded model's checkpoint identity.
-    identity: Arc<Mutex<Option<Identity>>>,
+    /// What the engine told of the loaded model (its checkpoint identity, its tool syntax).
+    engine_info: Arc<Mutex<Option<actor::ModelInfo>>>,
     /// Most bytes of checkpoint files kept; the least recently used go first.
     checkpoint_budget: u64,
     /// Whether replies resume from and write KV checkpoints.
@@ -120,7 +119,7 @@ impl Chat {
             running: Arc::default(),
             loaded: Arc::default(),
             loading: Arc::default(),
-            identity: Arc::default(),
+            engine_info: Arc::default(),
             prompt_cache: Arc::new(completions::PromptCache::open(
                 data_dir.join("checkpoints").join("prompt-cache"),
                 checkpoint_budget / PROMPT_CACHE_SHARE,

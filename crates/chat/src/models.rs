@@ -86,6 +86,11 @@ impl Chat {
         lock(&self.loaded).clone()
     }
 
+    /// Who the loaded model's checkpoints belong to.
+    pub(crate) fn identity(&self) -> Option<engine::kv_file::Identity> {
+        lock(&self.engine_info).as_ref().map(|info| info.identity.clone())
+    }
+
     /// The display name of the model being loaded, if one is.
     pub fn loading(&self) -> Option<String> {
         lock(&self.loading).as_ref().map(|l| l.name.clone())
@@ -165,7 +170,7 @@ impl Chat {
         };
         // The model is in place before the waiting replies hear that the load ended.
         *lock(&self.loaded) = Some(model.clone());
-        *lock(&self.identity) = Some(info.identity.clone());
+        *lock(&self.engine_info) = Some(info.clone());
         status.send_replace(LoadStatus::Loaded);
         *lock(&self.loading) = None;
         tracing::info!(model = %model.name, "model loaded");

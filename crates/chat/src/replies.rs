@@ -456,7 +456,7 @@ impl Chat {
         let prompt = self.prompt_of(&chat, &path, None).await?;
         let memory_share = Some(self.app_settings().await?.memory_share);
         // Checkpoints of this branch's earlier nodes, by this very model, longest first.
-        let identity = lock(&self.identity).clone().filter(|_| self.checkpoints);
+        let identity = self.identity().filter(|_| self.checkpoints);
         let mut resume = Vec::new();
         if let Some(identity) = &identity {
             let ancestors: Vec<i64> = path.iter().map(|m| m.id).collect();

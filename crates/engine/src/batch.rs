@@ -157,8 +157,7 @@ impl Row {
 
     /// Whether the row picks greedily (a verify window's picks are then one argmax).
     fn greedy(&self) -> bool {
-        let s = self.sampler.params();
-        s.temperature == 0.0 && s.repetition_penalty == 1.0 && s.presence_penalty == 0.0
+        self.sampler.params().is_greedy()
     }
 
     /// This step's drafts: none for a row that does not draft or decodes plainly for now,
@@ -316,7 +315,8 @@ impl<'m> Batch<'m> {
         mut drafting: Option<Drafting>,
     ) -> Result<Vec<BatchEvent>> {
         self.check_joins(id, &caches)?;
-        let mut sampler = Sampler::for_request(request)?;
+        let mut sampler =
+            Sampler::constrained(request.sampling.clone(), request.constraint.clone())?;
         let (logits, start) = crate::generate::start(self.model, &mut caches, request)?;
         if let Some(d) = &mut drafting
             && request.max_tokens > 0
@@ -364,9 +364,7 @@ impl<'m> Batch<'m> {
             started,
             first_at: started,
             ahead: None,
-            pipelined: self.rounds == Rounds::No
-                && request.sampling.repetition_penalty == 1.0
-                && request.sampling.presence_penalty == 0.0,
+            pipelined: self.rounds == Rounds::No && !request.sampling.penalizes(),
             drafting,
         }
     }
@@ -420,7 +418,9 @@ impl<'m> Batch<'m> {
                     let prompt = &request.prompt;
                     crate::generate::check_prompt(self.model, 0, prompt, request.max_tokens)
                 })
-                .and_then(|()| Sampler::for_request(&request));
+                .and_then(|()| {
+                    Sampler::constrained(request.sampling.clone(), request.constraint.clone())
+                });
             match checked {
                 Ok(_) if cohort.iter().any(|a| a.id == id) => {
                     results[index] =

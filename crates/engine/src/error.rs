@@ -111,9 +111,9 @@ pub enum Error {
          free under the memory limit ({} of the {} MLX recommends for this device, {} of it \
          already in use). Choose a smaller KV cache in the chat settings (4-bit or TurboQuant), \
          lower Max tokens, or start a new chat.",
-        crate::memory::human(*needed), crate::memory::human(*available),
-        crate::memory::percent(*share), crate::memory::human(*recommended),
-        crate::memory::human(*in_use)
+        crate::units::human(*needed), crate::units::human(*available),
+        crate::units::percent(*share), crate::units::human(*recommended),
+        crate::units::human(*in_use)
     )]
     KvMemory {
         /// Projected KV bytes of the prompt and `max_tokens`.

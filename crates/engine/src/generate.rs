@@ -446,9 +446,8 @@ pub fn generate(
     request: &GenerateRequest,
     on_token: impl FnMut(u32) -> Flow,
 ) -> Result<Generation> {
-    let mut sampler = Sampler::for_request(request)?;
-    let pipelined =
-        request.sampling.repetition_penalty == 1.0 && request.sampling.presence_penalty == 0.0;
+    let mut sampler = Sampler::constrained(request.sampling.clone(), request.constraint.clone())?;
+    let pipelined = !request.sampling.penalizes();
     let (logits, start) = self::start(model, caches, request)?;
     let mut out = Emitter::new(request, start, on_token);
     if request.max_tokens == 0 {

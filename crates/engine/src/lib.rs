@@ -54,6 +54,7 @@ mod error;
 pub mod generate;
 pub mod kv_file;
 pub mod memory;
+pub mod messages;
 pub mod models;
 pub mod nn;
 mod options;
@@ -65,6 +66,7 @@ pub mod tokenizer;
 pub mod tokens;
 pub mod tools;
 pub mod turn;
+pub mod units;
 pub mod vision;
 
 pub use error::{Error, Result};

@@ -9,7 +9,6 @@ use mlx::{Array, Dtype, ops, random};
 
 use crate::constrain::Grammar;
 use crate::error::{Error, Result};
-use crate::generate::GenerateRequest;
 
 /// Sampling settings, as a chat app exposes them.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,6 +48,19 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Whether a pick reads the tokens before it (a repetition or presence penalty): a step
+    /// then waits for the last token before it is built, where otherwise it is built on the
+    /// token still being computed.
+    pub fn penalizes(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0
+    }
+
+    /// Whether every pick is the argmax of its logits alone (temperature 0, no penalty): a
+    /// verify window's picks are then one argmax over its positions.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 && !self.penalizes()
+    }
+
     /// Checks the ranges; called once when a generation starts.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str| Err(Error::InvalidRequest(what.to_string()));
@@ -86,10 +98,10 @@ impl Sampler {
         Ok(Sampler { params, key, step: 0, grammar: None })
     }
 
-    /// The sampler of `request`: its settings and its output constraint.
-    pub fn for_request(request: &GenerateRequest) -> Result<Sampler> {
-        let mut sampler = Sampler::new(request.sampling.clone())?;
-        sampler.grammar = request.constraint.clone();
+    /// A sampler for `params` that keeps every pick to `grammar` (when there is one).
+    pub fn constrained(params: SamplingParams, grammar: Option<Grammar>) -> Result<Sampler> {
+        let mut sampler = Sampler::new(params)?;
+        sampler.grammar = grammar;
         Ok(sampler)
     }
 
@@ -118,7 +130,7 @@ impl Sampler {
     fn draw(&mut self, logits: &Array, history: &[u32]) -> Result<Array> {
         let p = &self.params;
         let mut logits = logits.astype(Dtype::Float32)?;
-        if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 {
+        if p.penalizes() {
             logits = self.penalize(&logits, history)?;
         }
         if p.temperature == 0.0 {

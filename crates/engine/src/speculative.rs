@@ -188,9 +188,7 @@ fn rounds(
     on_token: impl FnMut(u32) -> Flow,
 ) -> Result<(Generation, SpecStats)> {
     let mut sampler = Sampler::new(request.sampling.clone())?;
-    let greedy = request.sampling.temperature == 0.0
-        && request.sampling.repetition_penalty == 1.0
-        && request.sampling.presence_penalty == 0.0;
+    let greedy = request.sampling.is_greedy();
     if stack_offset(caches) != earlier.len() {
         return Err(Error::InvalidRequest(format!(
             "the caches hold {} positions, not the {} earlier tokens given",
@@ -212,8 +210,7 @@ fn rounds(
     if let Some(reason) = out.emit(bonus) {
         return with_stats(out.finish(reason), stats);
     }
-    let pipelined =
-        request.sampling.repetition_penalty == 1.0 && request.sampling.presence_penalty == 0.0;
+    let pipelined = !request.sampling.penalizes();
     let mut pace = Pace::new(length);
     let stop_reason = loop {
         if pace.backoff > 0 {

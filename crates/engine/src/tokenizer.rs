@@ -6,77 +6,18 @@
 use std::path::Path;
 
 use minijinja::{Environment, ErrorKind, Value as JinjaValue, context};
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::checkpoint::read_json;
 use crate::constrain::Vocabulary;
 use crate::error::{Error, Result};
+use crate::messages::Message;
+use crate::tools::ToolSyntax;
 
 /// Markers that end an assistant turn in common chat templates; the ones present in a
 /// tokenizer's vocabulary become stop tokens.
 const END_OF_TURN_MARKERS: &[&str] =
     &["<end_of_turn>", "<turn|>", "<|im_end|>", "<|eot_id|>", "<|end|>"];
-
-/// One part of a message's content.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "lowercase")]
-pub enum Part {
-    /// Text.
-    Text {
-        /// The text.
-        text: String,
-    },
-    /// An image, placed where the template puts image parts.
-    Image,
-}
-
-/// A chat message as templates see it: `{"role": ..., "content": ...}`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Message {
-    /// `system`, `user` or `assistant`.
-    pub role: String,
-    /// A string, or a list of parts when the message has images.
-    pub content: Content,
-    /// An assistant message's calls, OpenAI's shape
-    /// (`{"id", "type": "function", "function": {"name", "arguments"}}`, the arguments an
-    /// object).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tool_calls: Vec<Value>,
-    /// A `tool` message's answer to the call of this id.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tool_call_id: Option<String>,
-}
-
-/// Message content: plain text or typed parts.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum Content {
-    /// Plain text.
-    Text(String),
-    /// Text and image parts in order.
-    Parts(Vec<Part>),
-}
-
-impl Message {
-    /// A text message.
-    pub fn text(role: &str, text: &str) -> Message {
-        Message::with(role, Content::Text(text.into()))
-    }
-
-    /// A message of `content`, without tool calls.
-    pub fn with(role: &str, content: Content) -> Message {
-        Message { role: role.into(), content, tool_calls: Vec::new(), tool_call_id: None }
-    }
-}
-
-/// The chat template of the checkpoint or tokenizer folder `dir`: `chat_template.jinja`, else
-/// `tokenizer_config.json`'s (`None`: neither has one).
-pub fn read_template(dir: &Path) -> Result<Option<String>> {
-    let config = dir.join("tokenizer_config.json");
-    let config = if config.is_file() { read_json(&config)? } else { Value::Null };
-    template_of(dir, &config)
-}
 
 fn template_of(dir: &Path, tokenizer_config: &Value) -> Result<Option<String>> {
     let template_file = dir.join("chat_template.jinja");
@@ -107,6 +48,8 @@ pub struct Tokenizer {
     bos_token: Option<String>,
     eos_token: Option<String>,
     stop_tokens: Vec<u32>,
+    /// How the model writes tool calls, decided from the template at load.
+    tool_syntax: ToolSyntax,
     /// The vocabulary as the grammar engine reads it, built on first use.
     vocabulary: std::sync::OnceLock<std::result::Result<Vocabulary, String>>,
 }
@@ -171,6 +114,7 @@ impl Tokenizer {
         Ok(Some(Tokenizer {
             inner,
             file,
+            tool_syntax: ToolSyntax::of_template(template.as_deref()),
             template,
             bos_token,
             eos_token,
@@ -253,6 +197,12 @@ impl Tokenizer {
     /// Whether the chat template renders tools itself (else they go in as a system prompt).
     pub fn renders_tools(&self) -> bool {
         crate::tools::renders_tools(self.template.as_deref())
+    }
+
+    /// How the model writes tool calls: its template's syntax, or Hermes where the template
+    /// renders no tools (the system prompt [`crate::tools::fallback`] writes asks for it).
+    pub fn tool_syntax(&self) -> ToolSyntax {
+        self.tool_syntax
     }
 
     /// Renders the chat template over `messages` with `options`.
@@ -524,6 +474,7 @@ impl<'a> TextStream<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::messages::{Content, Part};
 
     fn render(template: &str, messages: &[Message]) -> Result<String> {
         use chrono::TimeZone;

@@ -18,7 +18,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
-use crate::tokenizer::{Content, Message, Part};
+use crate::messages::{Content, Message, Part};
 
 /// A call the model made: a function's name and its arguments (a JSON object).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -309,7 +309,7 @@ impl<'t> ReplyText<'t> {
                     return stream;
                 }
                 // The markers of tool calls reach the text (Gemma 4's are special tokens).
-                let syntax = crate::tools::ToolSyntax::of_template(t.template());
+                let syntax = t.tool_syntax();
                 let markers = [syntax.start(), syntax.end(), crate::tools::GEMMA4_QUOTE];
                 stream.keeping(markers.iter().filter_map(|m| t.token_id(m)).collect())
             }),
@@ -562,7 +562,7 @@ impl ChatModel {
             (Some(c), Some(tokenizer)) => {
                 let c = match c {
                     crate::constrain::Constraint::ToolCall { name } => {
-                        let syntax = crate::tools::ToolSyntax::of_template(tokenizer.template());
+                        let syntax = tokenizer.tool_syntax();
                         let grammar = syntax
                             .call_grammar(&turn.tools, name.as_deref(), |m| tokenizer.token_id(m))
                             .map_err(Error::InvalidRequest)?;

@@ -52,6 +52,17 @@ impl Dtype {
         }
     }
 
+    /// The lowest finite value of a floating-point type (what an attention mask writes where
+    /// it hides a position); `f32`'s for the others.
+    pub fn lowest(self) -> f64 {
+        match self {
+            Dtype::Float16 => -65504.0,
+            Dtype::Bfloat16 => -3.389_531_389_251_535_5e38,
+            Dtype::Float64 => f64::MIN,
+            _ => f64::from(f32::MIN),
+        }
+    }
+
     /// Whether this is a floating-point type.
     pub fn is_float(self) -> bool {
         matches!(self, Dtype::Float16 | Dtype::Float32 | Dtype::Float64 | Dtype::Bfloat16)

@@ -57,11 +57,7 @@ pub(crate) fn offer(
         }
         return Ok(Calls { parser: None, made: 0 });
     }
-    let syntax = shared
-        .chat
-        .tool_syntax()
-        .map_err(|e| ApiError::from_chat(&e))?
-        .unwrap_or(ToolSyntax::Hermes);
+    let syntax = shared.chat.tool_syntax().unwrap_or(ToolSyntax::Hermes);
     let name = match &choice {
         Choice::Required => Some(None),
         Choice::Named(name) => Some(Some(name.as_str())),

@@ -356,7 +356,7 @@ fn affine_attention(
         (keys.clone(), values.clone())
     };
     let mut scores = keys.matmul(&queries, true)?;
-    let lowest = |scores: &Array| scores.scalar_like(lowest_of(scores.dtype()));
+    let lowest = |scores: &Array| scores.scalar_like(scores.dtype().lowest());
     scores = match mask {
         AttentionMask::None => scores,
         AttentionMask::Causal => {
@@ -380,15 +380,6 @@ fn affine_attention(
     let scores = scores.softmax(&[-1], true)?;
     let out = values.matmul(&scores, false)?;
     Ok(if repeats > 1 { out.reshape(&[b, heads, l, d])? } else { out })
-}
-
-/// The lowest finite value of a float dtype (what a mask writes where it hides).
-pub(crate) fn lowest_of(dtype: Dtype) -> f64 {
-    match dtype {
-        Dtype::Float16 => -65504.0,
-        Dtype::Bfloat16 => -3.389_531_389_251_535_5e38,
-        _ => f64::from(f32::MIN),
-    }
 }
 
 /// One cache's precision policy: the codec its parts are in now, and the conversion it still

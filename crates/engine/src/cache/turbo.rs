@@ -31,7 +31,6 @@ use std::sync::{Arc, Mutex};
 use mlx::fast::AttentionMask;
 use mlx::{Array, Dtype, ops};
 
-use super::kv::lowest_of;
 use crate::error::{Error, Result};
 
 /// The keys' rotation seed (values use the next one), as mlx-vlm's default.
@@ -217,7 +216,7 @@ impl TurboCodec {
             Ok(n.astype(Dtype::Float32)?.swapaxes(-1, -2)?.expand_dims(&[2])?)
         };
         let mut scores = rotated.matmul(&kc.swapaxes(-1, -2)?)?.multiply(&norms_row(knorms)?)?;
-        let lowest = || Array::scalar(lowest_of(Dtype::Float32) as f32);
+        let lowest = || Array::scalar(Dtype::Float32.lowest() as f32);
         scores = match mask {
             AttentionMask::None => scores,
             AttentionMask::Causal => {

@@ -8,8 +8,9 @@ use mlx::Array;
 use super::{ChatModel, Prompt, TurnMessage};
 use crate::error::{Error, Result};
 use crate::generate::image_runs;
+use crate::messages::{Content, Message, Part};
 use crate::models::Model;
-use crate::tokenizer::{Content, Message, Part, TemplateOptions};
+use crate::tokenizer::TemplateOptions;
 use crate::vision::PreparedImage;
 
 /// Every image of the prompt, decoded and sized, in prompt order.

@@ -10,10 +10,11 @@ use std::path::PathBuf;
 
 use engine::LoadOptions;
 use engine::generate::{Flow, GenerateRequest, generate, prefill_multimodal};
+use engine::messages::Message;
 use engine::models::gemma3::processor::expand_text;
 use engine::models::{Model, Phase, Rows};
 use engine::speculative::Speculation;
-use engine::tokenizer::{Message, Tokenizer};
+use engine::tokenizer::Tokenizer;
 use engine::tokens::ids as token_array;
 use engine::turn::{ChatModel, Drafters, Prompt, ResumeCandidate, Turn};
 use engine::vision::image::{load_rgb, resize_bilinear};

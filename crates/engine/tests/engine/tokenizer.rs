@@ -4,7 +4,8 @@
 
 use std::path::PathBuf;
 
-use engine::tokenizer::{Message, TemplateOptions, TextStream, Tokenizer};
+use engine::messages::Message;
+use engine::tokenizer::{TemplateOptions, TextStream, Tokenizer};
 use serde_json::Value;
 
 fn root() -> PathBuf {
