@@ -1,11 +1,10 @@
 //! The engine actor: one thread owns the model and every MLX array (MLX streams belong to the
 //! thread that made them); the rest of the app sends it commands and receives events. A reply
-//! is one [`engine::turn::Turn`]. Replies with plain decoding, prompt lookup or a draft model
-//! decode together in one [`TurnBatch`] (each joins after its own prefill and leaves when it
-//! ends; each reply with a draft model drafts on caches of its own), so a second conversation
-//! streams while the first does; a reply with an assistant model, one that drafts when the
-//! batch's rows do not (or the other way round), or one with another KV storage than the
-//! batch's, is answered after the batch ([`ChatModel::answer`] for an assistant).
+//! is one [`engine::turn::Turn`], and every reply is a row of one [`TurnBatch`] (each joins
+//! after its own prefill and leaves when it ends; each reply that drafts does so with a
+//! drafter of its own), so a second conversation streams while the first does; a reply that
+//! drafts when the batch's rows do not (or the other way round), or one with another KV
+//! storage than the batch's, starts the next batch once this one has emptied.
 //!
 //! A reply never waits unseen and is never dropped for another: one that must wait (its KV
 //! cache fits the memory limit only once replies decoding have ended, or it decodes alone
@@ -162,11 +161,10 @@ impl Engine {
                                     kind: ErrorKind::ModelMissing,
                                 });
                             }
-                            Some(model) if model.batches(&turn) => {
+                            Some(model) => {
                                 let first = Pending::new(turn, events, cancel);
                                 serve_together(model, &mut drafters, first, &inbox, &mut deferred);
                             }
-                            Some(model) => reply(model, &mut drafters, &turn, &events, &cancel),
                         },
                         Command::Check { turn, reply } => {
                             let checked = match &loaded {
@@ -312,7 +310,7 @@ impl Pending {
     }
 }
 
-/// Answers `first` and every reply that can decode with it ([`ChatModel::batches`]) as they
+/// Answers `first` and every reply that can decode with it ([`TurnBatch::takes`]) as they
 /// come, together in one [`TurnBatch`], until none is left. Each joins after its own prefill
 /// and leaves when it ends or is stopped; one whose KV cache fits only once others end waits
 /// in line, and replies after it wait behind it. Checks are answered between steps; any other
@@ -572,23 +570,4 @@ fn stream_to(pending: &Pending) -> engine::turn::OnEvent<'static> {
 
 fn failed(error: Error) -> ReplyEvent {
     ReplyEvent::Failed { message: error.to_string(), kind: error.kind() }
-}
-
-fn reply(
-    chat: &ChatModel,
-    drafters: &mut Drafters,
-    turn: &Turn,
-    events: &mpsc::UnboundedSender<ReplyEvent>,
-    cancel: &AtomicBool,
-) {
-    let outcome = chat.answer(turn, drafters, |TurnEvent::Token { text, .. }| {
-        if !text.is_empty() {
-            let _ = events.send(ReplyEvent::Text { text });
-        }
-        if cancel.load(Ordering::SeqCst) { Flow::Stop } else { Flow::Continue }
-    });
-    let _ = events.send(match outcome {
-        Ok(outcome) => ReplyEvent::Done(Box::new(outcome)),
-        Err(error) => failed(error.into()),
-    });
 }

@@ -14,11 +14,12 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use engine::generate::{Flow, GenerateRequest, generate};
+use engine::batch::generate;
+use engine::generate::{Flow, GenerateRequest};
 use engine::models::{Model, Phase};
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
-use engine::speculative::{self, DraftLength, DraftMethod};
+use engine::speculative::{DraftLength, DraftMethod};
 use engine::tokens::ids;
 use serde_json::json;
 
@@ -154,7 +155,7 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<()> {
     let drafted = |method: &mut dyn DraftMethod, prompt: &[u32]| {
         let request = GenerateRequest::new(prompt.to_vec(), args.gen_tokens);
         let mut caches = caches_kv()?;
-        speculative::generate(model.as_ref(), &mut caches, &[], &request, method, length, |_| {
+        engine::batch::speculate(model.as_ref(), &mut caches, &[], &request, method, length, |_| {
             Flow::Continue
         })
         .map_err(anyhow::Error::from)

@@ -6,7 +6,8 @@
 
 use std::time::Instant;
 
-use engine::generate::{Flow, GenerateRequest, generate};
+use engine::batch::generate;
+use engine::generate::{Flow, GenerateRequest};
 use engine::kv_file::{self, Identity};
 
 fn ms(t: Instant) -> f64 {

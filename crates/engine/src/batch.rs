@@ -1,27 +1,33 @@
-//! Continuous batching: several replies decoded together, one forward pass per step.
+//! The one decode path: every reply is a row of a [`Batch`], decoded with the others one
+//! forward pass per step; a reply alone is a batch of one ([`generate`], [`speculate`]).
 //!
-//! A request joins a [`Batch`] after its own prefill ([`Batch::join`] runs it alone, with its
-//! images and from whatever prefix its caches hold, such as a restored KV checkpoint), so a
-//! long prompt never stalls the rows already decoding for more than its own prefill. Requests
-//! that arrive together and start fresh prefill as one padded cohort instead
-//! ([`Batch::join_together`], [`crate::cache::Cohort`]). From then
-//! on every [`Batch::step`] appends each row's next token in one batched decode pass: each
-//! layer's state is a batch of rows of its storage ([`crate::cache::BatchRows`], made by
-//! [`crate::cache::Cache::empty_rows`]): full-precision keys and values in
-//! [`crate::cache::SlotRows`], one buffer per part shared by every row, each row in the slots
-//! its own storage would use (encoded keys and values in [`crate::cache::CacheRows`], each row
-//! in its own storage); gated DeltaNet state in
+//! A request joins after its own prefill ([`Batch::join`] runs it alone, with its images and
+//! from whatever prefix its caches hold, such as a restored KV checkpoint), so a long prompt
+//! never stalls the rows already decoding for more than its own prefill. Requests that arrive
+//! together and start fresh prefill as one padded cohort instead ([`Batch::join_together`],
+//! [`crate::cache::Cohort`]). From then on every [`Batch::step`] appends each row's next token
+//! in one batched pass: each layer's state is a batch of rows of its storage
+//! ([`crate::cache::BatchRows`], made by [`crate::cache::Cache::empty_rows`]): full-precision
+//! keys and values in [`crate::cache::SlotRows`], one buffer per part shared by every row, each
+//! row in the slots its own storage would use (encoded keys and values, and rows that verify
+//! drafts, in [`crate::cache::CacheRows`], each row in its own storage); gated DeltaNet state in
 //! [`crate::cache::RecurrentRows`], one recurrence for every row; a multimodal-RoPE model's
 //! position shifts in [`crate::cache::PositionRows`]. The model rotates each row at its own
-//! position ([`crate::cache::Cache::row_offsets`]). A lone row runs the model's compiled step instead, as a reply
-//! outside a batch does. Steps are pipelined as [`crate::generate::generate`]'s are (a pass is
-//! built on the tokens the last one sampled before they are read). Each row samples its own
-//! logits with its own [`Sampler`] (seed, temperature, penalties), stops on its own stop
-//! tokens and token budget, and leaves the batch when it ends or is cancelled
-//! ([`Batch::cancel`]), taking its caches with it as ordinary single-sequence caches, ready
-//! to checkpoint. In a batch that verifies ([`Batch::verifying`]) rows that draft (by prompt
-//! lookup or a draft model, each with a method of its own) verify their drafts in one window
-//! pass a step and each keeps its own count.
+//! position ([`crate::cache::Cache::row_offsets`]). A lone row runs the model's compiled step.
+//! Steps are pipelined: a pass is built on the tokens the last one sampled before they are
+//! read, unless a row's penalties read them first or one drafts this step. Each row samples
+//! its own logits with its own [`Sampler`] (seed, temperature, penalties, output grammar),
+//! stops on its own stop tokens and token budget, and leaves the batch when it ends or is
+//! cancelled ([`Batch::cancel`]), taking its caches with it as ordinary single-sequence
+//! caches, ready to checkpoint.
+//!
+//! In a batch that verifies ([`Batch::verifying`]) rows draft with methods of their own
+//! (prompt lookup, a draft model, a drafter reading the target's own state: Gemma 4's
+//! assistant, Qwen3.5's MTP head, each reading its row of the batch, [`Target`]); a step in
+//! which one drafts verifies every row's drafts in one window pass, each row picking its
+//! tokens with its own sampler and keeping its own count ([`crate::cache::BatchRows::rollback_rows`]),
+//! as mlx-vlm's rule makes speculative output equal plain output (greedy, or sampled at the
+//! same seed: `speculative` module docs).
 //!
 //! What a row generates does not depend on the other rows: the engine's tests hold batched
 //! greedy and seeded sampling to the same requests run alone, token for token, and a row's
@@ -31,15 +37,19 @@ use std::time::Instant;
 
 use mlx::Array;
 
-use crate::cache::{BatchRows, Cache, Cohort, Rounds, stack_max_append};
+use crate::cache::{BatchRows, Cache, Cohort, Rounds, stack_max_append, stack_offset};
 use crate::error::{Error, Result};
-use crate::generate::{GenerateRequest, Generation, GenerationStats, StopReason};
-use crate::models::{Model, Phase, Rows};
+use crate::generate::{Flow, GenerateRequest, Generation, GenerationStats, StopReason};
+use crate::models::{Model, Phase, Rows, target_lacks};
 use crate::sampling::Sampler;
 use crate::speculative::{DraftLength, DraftMethod, Pace, SpecStats, Target};
 
 /// Identifies a request in a batch (the caller's choice, unique among the rows).
 pub type RowId = u64;
+
+/// What a step tells of each token as a row emits it ([`Batch::step_with`]); [`Flow::Stop`]
+/// ends that row after it.
+pub type OnToken<'a> = dyn FnMut(RowId, u32) -> Flow + 'a;
 
 /// A request that arrives with others ([`Batch::join_together`]): its id, its caches and
 /// the request, as [`Batch::join`] takes them.
@@ -61,7 +71,7 @@ pub enum BatchEvent {
 
 /// A request that ended: what it generated and its caches. The caches hold its prompt and its
 /// generated tokens but the last, or all of them when a pipelined pass appended the last
-/// before it was read: what [`crate::generate::generate`] leaves in its caches.
+/// before it was read: what a reply alone leaves in its caches ([`generate`]).
 #[derive(Debug)]
 pub struct Finished {
     /// The row.
@@ -77,19 +87,45 @@ pub struct Finished {
     pub drafter: Option<Box<dyn DraftMethod>>,
 }
 
+/// A row's draft method: its own (a fork), or lent for one generation ([`speculate`]).
+#[derive(Debug)]
+enum Method<'m> {
+    Owned(Box<dyn DraftMethod>),
+    Lent(&'m mut dyn DraftMethod),
+}
+
+impl Method<'_> {
+    fn get(&mut self) -> &mut dyn DraftMethod {
+        match self {
+            Method::Owned(method) => method.as_mut(),
+            Method::Lent(method) => *method,
+        }
+    }
+
+    /// The method, when the row owns it (to checkpoint its state with the row's).
+    fn into_owned(self) -> Option<Box<dyn DraftMethod>> {
+        match self {
+            Method::Owned(method) => Some(method),
+            Method::Lent(_) => None,
+        }
+    }
+}
+
 /// A row that drafts with a method of its own and verifies its drafts with the other rows'.
 #[derive(Debug)]
-struct Drafting {
-    method: Box<dyn DraftMethod>,
+struct Drafting<'m> {
+    method: Method<'m>,
     pace: Pace,
-    /// The whole conversation as the lookup sees it: earlier turns, the prompt, the reply.
+    /// The whole conversation as the method sees it: earlier turns, the prompt, the reply.
     context: Vec<u32>,
     stats: SpecStats,
+    /// Whether the method reads the target's hidden rows ([`Target::hidden`]).
+    reads_hidden: bool,
 }
 
 /// One request decoding in the batch.
 #[derive(Debug)]
-struct Row {
+struct Row<'m> {
     id: RowId,
     sampler: Sampler,
     stop_tokens: Vec<u32>,
@@ -105,21 +141,31 @@ struct Row {
     /// The next token, sampled (lazily) by a pass that appended the last emitted one; `None`
     /// while the last emitted token is not appended yet.
     ahead: Option<Array>,
-    /// Whether a pass may append the token sampled ahead before it is read (no penalty reads
-    /// it first), as [`crate::generate::generate`] pipelines its steps.
-    pipelined: bool,
-    drafting: Option<Drafting>,
+    drafting: Option<Drafting<'m>>,
 }
 
-impl Row {
-    /// Whether the token sampled ahead may be appended before it is read: the row goes on
-    /// after it (it is not the row's last allowed token), as `generate` decides.
+impl<'m> Row<'m> {
+    /// Whether the token sampled ahead may be appended before it is read: no penalty reads it
+    /// first, and the row goes on after it (it is not the row's last allowed token).
     fn may_append_ahead(&self) -> bool {
-        self.pipelined && self.tokens.len() + 1 < self.max_tokens
+        !self.sampler.params().penalizes() && self.tokens.len() + 1 < self.max_tokens
     }
 
-    /// Records `token`; the reason when the row ends with it.
-    fn emit(&mut self, token: u32) -> Option<StopReason> {
+    /// Whether the row may draft this step (it drafts, and is not decoding plainly for now).
+    fn may_draft(&self) -> bool {
+        self.drafting.as_ref().is_some_and(|d| d.pace.backoff == 0)
+    }
+
+    /// A step in which the row decodes plainly: one fewer left before it drafts again.
+    fn pass_plainly(&mut self) {
+        if let Some(d) = &mut self.drafting {
+            d.pace.backoff = d.pace.backoff.saturating_sub(1);
+        }
+    }
+
+    /// Records `token`, tells `on_token` of it (unless it is a stop token, which ends the row
+    /// whatever it answers); the reason when the row ends with it.
+    fn emit(&mut self, token: u32, on_token: &mut OnToken<'_>) -> Option<StopReason> {
         if self.tokens.is_empty() {
             self.first_at = Instant::now();
             let secs = (self.first_at - self.started).as_secs_f64();
@@ -133,6 +179,8 @@ impl Row {
         }
         if self.stop_tokens.contains(&token) {
             Some(StopReason::StopToken)
+        } else if on_token(self.id, token) == Flow::Stop {
+            Some(StopReason::Stopped)
         } else if self.tokens.len() >= self.max_tokens {
             Some(StopReason::MaxTokens)
         } else {
@@ -149,21 +197,16 @@ impl Row {
         self.stats.peak_mem_bytes = mlx::device::memory::peak()?;
         let generation = Generation { tokens: self.tokens, stop_reason: reason, stats: self.stats };
         let (spec, drafter) = match self.drafting {
-            Some(d) => (Some(d.stats), Some(d.method)),
+            Some(d) => (Some(d.stats), d.method.into_owned()),
             None => (None, None),
         };
         Ok(Finished { id: self.id, generation, caches, spec, drafter })
     }
 
-    /// Whether the row picks greedily (a verify window's picks are then one argmax).
-    fn greedy(&self) -> bool {
-        self.sampler.params().is_greedy()
-    }
-
     /// This step's drafts: none for a row that does not draft or decodes plainly for now,
     /// else its method's, at most what the row's budget and `room` (positions the caches take
     /// before a KV conversion) leave after the bonus token.
-    fn propose(&mut self, target: &dyn Model, room: usize) -> Result<Vec<u32>> {
+    fn propose(&mut self, target: Target<'_>, room: usize) -> Result<Vec<u32>> {
         let remaining = self.max_tokens.saturating_sub(self.tokens.len());
         let Some(drafting) = &mut self.drafting else {
             return Ok(Vec::new());
@@ -176,10 +219,22 @@ impl Row {
         if most == 0 {
             return Ok(Vec::new());
         }
-        let mut drafts = drafting.method.propose(alone(target), &drafting.context, most)?;
+        let mut drafts = drafting.method.get().propose(target, &drafting.context, most)?;
         drafts.truncate(most);
         Ok(drafts)
     }
+
+    /// Adds one step's timings: the host time building and submitting its pass (`build` of
+    /// it building the graph) and the time spent waiting for this row's token.
+    fn add_step_times(&mut self, host_ms: f64, build_ms: f64) {
+        self.stats.decode_host_ms += host_ms;
+        self.stats.decode_build_ms += build_ms;
+    }
+}
+
+/// Milliseconds since `start`.
+fn ms_since(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1e3
 }
 
 /// A request of a padded prefill cohort ([`Batch::join_together`]), checked.
@@ -198,7 +253,7 @@ pub struct Batch<'m> {
     model: &'m dyn Model,
     /// One batch of rows per cache layer (empty before the first row joins).
     layers: Vec<Box<dyn Cache>>,
-    rows: Vec<Row>,
+    rows: Vec<Row<'m>>,
     /// Whether rows verify drafts (steps append windows, each row keeps its own count).
     rounds: Rounds,
 }
@@ -268,16 +323,29 @@ impl<'m> Batch<'m> {
     /// method proposes what follows the row's conversation (`earlier`, the tokens `caches` held
     /// before the prompt, then the prompt and the reply so far), as many as `length` allows,
     /// and the row keeps the drafts its own picks confirm: the same tokens as decoding
-    /// plainly, greedy or sampled at the same seed. Prompt lookup and draft models draft here;
-    /// a method that reads the target's own state ([`DraftMethod::ports`]: an assistant, an
-    /// MTP head) is refused, as the target keeps a batch's state in rows.
+    /// plainly, greedy or sampled at the same seed. A method that reads the target's own state
+    /// ([`DraftMethod::ports`]: an assistant, an MTP head) reads the row's own part of it; a
+    /// target that lacks a port the method reads is refused before anything runs.
     pub fn join_drafting(
         &mut self,
         id: RowId,
         caches: Vec<Box<dyn Cache>>,
         request: &GenerateRequest,
         earlier: &[u32],
-        mut method: Box<dyn DraftMethod>,
+        method: Box<dyn DraftMethod>,
+        length: DraftLength,
+    ) -> Result<Vec<BatchEvent>> {
+        self.join_with(id, caches, request, earlier, Method::Owned(method), length)
+    }
+
+    /// [`Batch::join_drafting`] with a method owned or lent.
+    fn join_with(
+        &mut self,
+        id: RowId,
+        caches: Vec<Box<dyn Cache>>,
+        request: &GenerateRequest,
+        earlier: &[u32],
+        mut method: Method<'m>,
         length: DraftLength,
     ) -> Result<Vec<BatchEvent>> {
         if self.rounds != Rounds::PerRow {
@@ -290,16 +358,14 @@ impl<'m> Batch<'m> {
                 "a speculative round drafts at least one token".into(),
             ));
         }
-        if !method.ports().is_empty() {
-            return Err(Error::InvalidRequest(format!(
-                "the {} drafter reads the target's own state, which a batch keeps in rows: its \
-                 replies run one at a time",
-                method.name()
-            )));
+        let m = method.get();
+        if let Some(&port) = m.ports().iter().find(|&&p| !self.model.provides(p)) {
+            return Err(target_lacks(port));
         }
-        method.bind(self.model)?;
+        m.bind(self.model)?;
         let drafting = Drafting {
-            stats: SpecStats { method: method.name().into(), ..SpecStats::default() },
+            stats: SpecStats { method: m.name().into(), ..SpecStats::default() },
+            reads_hidden: !m.ports().is_empty(),
             method,
             pace: Pace::new(length),
             context: earlier.iter().chain(&request.prompt).copied().collect(),
@@ -312,7 +378,7 @@ impl<'m> Batch<'m> {
         id: RowId,
         mut caches: Vec<Box<dyn Cache>>,
         request: &GenerateRequest,
-        mut drafting: Option<Drafting>,
+        mut drafting: Option<Drafting<'m>>,
     ) -> Result<Vec<BatchEvent>> {
         self.check_joins(id, &caches)?;
         let mut sampler =
@@ -321,8 +387,19 @@ impl<'m> Batch<'m> {
         if let Some(d) = &mut drafting
             && request.max_tokens > 0
         {
-            // The method's own prefill of the conversation (a draft model's caches).
-            d.stats.context_computed = d.method.start(alone(self.model), &d.context)?;
+            // The method's own prefill of the conversation (a draft model's caches), from
+            // the target's pass over the prompt's last token.
+            let hidden = match d.reads_hidden {
+                true => self.model.last_hidden(),
+                false => None,
+            };
+            let target = Target {
+                model: self.model,
+                caches: &caches,
+                row: 0,
+                hidden: hidden.as_ref().map(|h| (stack_offset(&caches).saturating_sub(1), h)),
+            };
+            d.stats.context_computed = d.method.get().start(target, &d.context)?;
         }
         let first = match request.max_tokens {
             0 => None,
@@ -333,7 +410,7 @@ impl<'m> Batch<'m> {
             return Ok(vec![BatchEvent::Finished(row.finish(StopReason::MaxTokens, caches)?)]);
         };
         let mut events = vec![BatchEvent::Token { id, token }];
-        if let Some(reason) = row.emit(token) {
+        if let Some(reason) = row.emit(token, &mut |_, _| Flow::Continue) {
             events.push(BatchEvent::Finished(row.finish(reason, caches)?));
             return Ok(events);
         }
@@ -348,8 +425,8 @@ impl<'m> Batch<'m> {
         sampler: Sampler,
         request: &GenerateRequest,
         started: Instant,
-        drafting: Option<Drafting>,
-    ) -> Row {
+        drafting: Option<Drafting<'m>>,
+    ) -> Row<'m> {
         Row {
             id,
             sampler,
@@ -364,13 +441,12 @@ impl<'m> Batch<'m> {
             started,
             first_at: started,
             ahead: None,
-            pipelined: self.rounds == Rounds::No && !request.sampling.penalizes(),
             drafting,
         }
     }
 
     /// `row` decodes with the others from the next step, its caches merged into the layers.
-    fn enter(&mut self, row: Row, caches: Vec<Box<dyn Cache>>) -> Result<()> {
+    fn enter(&mut self, row: Row<'m>, caches: Vec<Box<dyn Cache>>) -> Result<()> {
         if self.layers.is_empty() {
             self.layers = caches
                 .iter()
@@ -478,27 +554,38 @@ impl<'m> Batch<'m> {
     }
 
     /// One decode step for every row: one forward pass appends each row's next token and
-    /// samples the one after it. Steps are pipelined as [`crate::generate::generate`]'s are:
-    /// the pass is built on the tokens the previous pass sampled before they are read, and
-    /// those tokens are read (and reported) while it runs. A row whose next token is its last,
-    /// or whose penalties read it first, has every row read before the pass instead. Rows that
-    /// end leave the batch ([`BatchEvent::Finished`]).
+    /// samples the one after it. Steps are pipelined as mlx-lm's are: the pass is built on the
+    /// tokens the previous pass sampled before they are read, and those tokens are read (and
+    /// reported) while it runs. A row whose next token is its last, or whose penalties read it
+    /// first, has every row read before the pass instead. In a batch that verifies, a step in
+    /// which a row may draft reads every token first and verifies the drafts in one window
+    /// pass. Rows that end leave the batch ([`BatchEvent::Finished`]).
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
-        if self.rounds == Rounds::PerRow {
-            return self.verify_step();
-        }
-        self.decode_step()
+        self.step_with(&mut |_, _| Flow::Continue)
     }
 
-    /// [`Batch::step`] for a batch whose rows decode one token each.
-    fn decode_step(&mut self) -> Result<Vec<BatchEvent>> {
+    /// [`Batch::step`], telling `on_token` of each token as it is emitted: [`Flow::Stop`] ends
+    /// that row right after that token ([`StopReason::Stopped`]), even inside a verify window
+    /// whose later drafts it would have kept (a user's stop, a stop string), so that it holds
+    /// what it would hold had it stopped there decoding alone.
+    pub fn step_with(&mut self, on_token: &mut OnToken<'_>) -> Result<Vec<BatchEvent>> {
+        if self.rounds == Rounds::PerRow && self.rows.iter().any(Row::may_draft) {
+            return self.verify_step(on_token);
+        }
+        self.rows.iter_mut().for_each(Row::pass_plainly);
+        self.decode_step(on_token)
+    }
+
+    /// [`Batch::step`] appending one token to every row.
+    fn decode_step(&mut self, on_token: &mut OnToken<'_>) -> Result<Vec<BatchEvent>> {
         let mut events = Vec::with_capacity(2 * self.rows.len());
         if !self.rows.iter().all(|r| r.ahead.is_none() || r.may_append_ahead()) {
-            self.read_ahead(&mut events)?;
+            self.read_ahead(&mut events, on_token)?;
         }
         if self.rows.is_empty() {
             return Ok(events);
         }
+        let host = Instant::now();
         let feeds = self
             .rows
             .iter()
@@ -513,6 +600,7 @@ impl<'m> Batch<'m> {
             _ => mlx::ops::concatenate(&feeds.iter().collect::<Vec<_>>(), 0)?,
         };
         let batch = feeds.len() as i32;
+        let starts = self.row_offsets();
         // A lone row decodes through the model's compiled step where it has one.
         let logits = match self.rows.len() {
             1 => self.model.forward_decode(&ids, &mut self.layers)?,
@@ -522,18 +610,27 @@ impl<'m> Batch<'m> {
         let logits = logits.reshape(&[batch, vocab])?;
         let mut sampled = Vec::with_capacity(self.rows.len());
         for (b, row) in self.rows.iter_mut().enumerate() {
-            let b = b as i32;
-            let own = logits.slice(&[b, 0], &[b + 1, vocab], &[1, 1])?;
+            let own = match batch {
+                1 => logits.clone(),
+                _ => logits.slice(&[b as i32, 0], &[b as i32 + 1, vocab], &[1, 1])?,
+            };
             sampled.push(row.sampler.sample(&own, &row.history)?);
         }
+        let rows = self.rows.len();
+        self.settle_all(&starts, &vec![0; rows], &vec![1; rows], &[])?;
+        let build_ms = ms_since(host);
         mlx::async_eval(&sampled.iter().collect::<Vec<_>>())?;
+        let host_ms = ms_since(host);
         // The tokens this pass appended unread are read now, while it runs.
         let mut ended = Vec::new();
         for (b, (row, next)) in self.rows.iter_mut().zip(sampled).enumerate() {
+            row.add_step_times(host_ms, build_ms);
             if let Some(ahead) = row.ahead.replace(next) {
+                let waited = Instant::now();
                 let token = ahead.item::<u32>()?;
+                row.stats.decode_wait_ms += ms_since(waited);
                 events.push(BatchEvent::Token { id: row.id, token });
-                if let Some(reason) = row.emit(token) {
+                if let Some(reason) = row.emit(token, on_token) {
                     ended.push((b, reason));
                 }
             }
@@ -542,26 +639,75 @@ impl<'m> Batch<'m> {
         Ok(events)
     }
 
-    /// [`Batch::step`] for a batch that verifies: every row proposes its drafts; when none
-    /// does, a plain decode step; else one window pass appends every row's last token and its
-    /// drafts (a row with fewer repeats its last token after them) in a round, each row picks
-    /// its tokens from its own positions with its own sampler, emits its accepted drafts and
-    /// its own next token, and keeps just those positions ([`BatchRows::rollback_rows`]).
-    fn verify_step(&mut self) -> Result<Vec<BatchEvent>> {
+    /// Each row's offset in the layers (where its next appended position goes).
+    fn row_offsets(&self) -> Vec<usize> {
+        crate::cache::stack_row_offsets(&self.layers).unwrap_or_default()
+    }
+
+    /// After a pass that appended `lengths[b]` positions to row `b` from `starts[b]` (a verify
+    /// window's, or one token) and kept `accepted[b]` of its drafts: each drafting row's method
+    /// but those of the rows `ending` learns what the round kept, with the target's hidden
+    /// rows of its positions when it reads them.
+    fn settle_all(
+        &mut self,
+        starts: &[usize],
+        accepted: &[usize],
+        lengths: &[usize],
+        ending: &[usize],
+    ) -> Result<()> {
+        let reads = |r: &Row<'_>| r.drafting.as_ref().is_some_and(|d| d.reads_hidden);
+        let hidden = match self.rows.iter().any(reads) {
+            true => self.model.last_hidden(),
+            false => None,
+        };
+        for (b, row) in self.rows.iter_mut().enumerate() {
+            let Some(drafting) = row.drafting.as_mut().filter(|_| !ending.contains(&b)) else {
+                continue;
+            };
+            let own = match (&hidden, drafting.reads_hidden) {
+                (Some(h), true) => {
+                    let s = h.shape();
+                    let (b, t) = (b as i32, lengths[b] as i32);
+                    Some(h.slice(&[b, 0, 0], &[b + 1, t, s[2]], &[1, 1, 1])?)
+                }
+                _ => None,
+            };
+            let target = Target {
+                model: self.model,
+                caches: &self.layers,
+                row: b,
+                hidden: own.as_ref().map(|h| (starts[b], h)),
+            };
+            drafting.method.get().settle(target, accepted[b])?;
+        }
+        Ok(())
+    }
+
+    /// [`Batch::step`] when a row may draft: every row proposes its drafts; when none does, a
+    /// plain decode step; else one window pass appends every row's last token and its drafts
+    /// (a row with fewer repeats its last token after them) in a round, each row picks its
+    /// tokens from its own positions with its own sampler, emits its accepted drafts and its
+    /// own next token, and keeps just those positions ([`BatchRows::rollback_rows`]).
+    fn verify_step(&mut self, on_token: &mut OnToken<'_>) -> Result<Vec<BatchEvent>> {
         let mut events = Vec::with_capacity(2 * self.rows.len());
-        self.read_ahead(&mut events)?;
+        self.read_ahead(&mut events, on_token)?;
         if self.rows.is_empty() {
             return Ok(events);
         }
         let room = stack_max_append(&self.layers).map_or(usize::MAX, |r| r.saturating_sub(1));
-        let model = self.model;
-        let drafts: Vec<Vec<u32>> =
-            self.rows.iter_mut().map(|r| r.propose(model, room)).collect::<Result<_>>()?;
+        let (model, layers) = (self.model, &self.layers);
+        let drafts: Vec<Vec<u32>> = self
+            .rows
+            .iter_mut()
+            .enumerate()
+            .map(|(row, r)| r.propose(Target { model, caches: layers, row, hidden: None }, room))
+            .collect::<Result<_>>()?;
         let longest = drafts.iter().map(Vec::len).max().unwrap_or(0);
         if longest == 0 {
-            events.extend(self.decode_step()?);
+            events.extend(self.decode_step(on_token)?);
             return Ok(events);
         }
+        let host = Instant::now();
         let width = longest + 1;
         let mut window = Vec::with_capacity(self.rows.len() * width);
         for (row, drafts) in self.rows.iter().zip(&drafts) {
@@ -573,6 +719,7 @@ impl<'m> Batch<'m> {
             window.extend(std::iter::repeat_n(bonus, longest - drafts.len()));
         }
         let batch = self.rows.len();
+        let starts = self.row_offsets();
         let ids = Array::from_slice(&window, &[batch as i32, width as i32])?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
             if let Err(e) = layer.spec_round_begin() {
@@ -589,6 +736,7 @@ impl<'m> Batch<'m> {
             }
         };
         let mut keep = Vec::with_capacity(batch);
+        let mut accepted_each = Vec::with_capacity(batch);
         let mut ended = Vec::new();
         for (b, ((row, drafts), picks)) in self.rows.iter_mut().zip(&drafts).zip(picks).enumerate()
         {
@@ -603,29 +751,30 @@ impl<'m> Batch<'m> {
                 drafting.pace.after_round(drafts.len(), accepted);
             }
             let mut emitted = 0;
-            let mut ends = false;
             for &token in &picks[..=accepted] {
                 emitted += 1;
                 events.push(BatchEvent::Token { id: row.id, token });
-                if let Some(reason) = row.emit(token) {
+                if let Some(reason) = row.emit(token, on_token) {
                     ended.push((b, reason));
-                    ends = true;
                     break;
                 }
-            }
-            // The method learns what the round kept, as in `speculative::generate` (a row
-            // that ends leaves its round open: its checkpoint closes it).
-            if let Some(drafting) = &mut row.drafting
-                && !ends
-            {
-                drafting.method.settle(alone(model), accepted)?;
             }
             // The row keeps its last token and the drafts before its last emitted token
             // (the next last token, not appended yet).
             keep.push(emitted);
+            accepted_each.push(accepted);
         }
         for layer in &mut self.layers {
             rows_of(layer.as_mut())?.rollback_rows(&keep)?;
+        }
+        // The methods learn what the round kept, as a lone generation's would (a row that
+        // ends leaves with its method as the round left it: its checkpoint closes it).
+        let lengths: Vec<usize> = drafts.iter().map(|d| d.len() + 1).collect();
+        let ending: Vec<usize> = ended.iter().map(|&(b, _)| b).collect();
+        self.settle_all(&starts, &accepted_each, &lengths, &ending)?;
+        let host_ms = ms_since(host);
+        for row in &mut self.rows {
+            row.add_step_times(host_ms, host_ms);
         }
         self.leave_all(&ended, &mut events)?;
         Ok(events)
@@ -641,27 +790,24 @@ impl<'m> Batch<'m> {
             let (b, own) = (b as i32, drafts.len() as i32 + 1);
             let logits = logits.slice(&[b, 0, 0], &[b + 1, own, vocab], &[1, 1, 1])?;
             let logits = logits.reshape(&[own, vocab])?;
-            let greedy = row.greedy();
-            all.push(crate::speculative::picks(
-                &logits,
-                &mut row.sampler,
-                &row.history,
-                greedy,
-                drafts,
-            )?);
+            all.push(crate::speculative::picks(&logits, &mut row.sampler, &row.history, drafts)?);
         }
         Ok(all)
     }
 
     /// Reads and reports every token sampled ahead; the rows that end with it leave, the
     /// others wait for a pass to append it.
-    fn read_ahead(&mut self, events: &mut Vec<BatchEvent>) -> Result<()> {
+    fn read_ahead(
+        &mut self,
+        events: &mut Vec<BatchEvent>,
+        on_token: &mut OnToken<'_>,
+    ) -> Result<()> {
         let mut ended = Vec::new();
         for (b, row) in self.rows.iter_mut().enumerate() {
             if let Some(ahead) = row.ahead.take() {
                 let token = ahead.item::<u32>()?;
                 events.push(BatchEvent::Token { id: row.id, token });
-                if let Some(reason) = row.emit(token) {
+                if let Some(reason) = row.emit(token, on_token) {
                     ended.push((b, reason));
                 }
             }
@@ -739,12 +885,6 @@ impl<'m> Batch<'m> {
     }
 }
 
-/// The target as a row's method sees it: the model, and no caches of its own (they are the
-/// batch's rows; methods that would read them do not draft in a batch).
-fn alone(model: &dyn Model) -> Target<'_> {
-    Target { model, caches: &[] }
-}
-
 /// Ends an armed round on `layers` keeping nothing: what a failed window leaves.
 fn disarm(layers: &mut [Box<dyn Cache>], batch: usize) {
     for layer in layers {
@@ -765,4 +905,88 @@ fn unbatched(cache: &dyn Cache) -> Error {
         "this model keeps {} state, which does not batch: its replies run one at a time",
         cache.signature()
     ))
+}
+
+/// A reply alone: a batch of one row. Prefills `request.prompt` on `caches` (fresh, or holding
+/// a prefix the prompt continues) and decodes, streaming each token to `on_token`, which may
+/// stop it after that token. `caches` hold the row's state afterwards (every position but the
+/// last token, or all of them when a pipelined pass appended it before it was read).
+pub fn generate(
+    model: &dyn Model,
+    caches: &mut Vec<Box<dyn Cache>>,
+    request: &GenerateRequest,
+    on_token: impl FnMut(u32) -> Flow,
+) -> Result<Generation> {
+    crate::generate::check_prompt(
+        model,
+        stack_offset(caches),
+        &request.prompt,
+        request.max_tokens,
+    )?;
+    let mut batch = Batch::new(model);
+    let joined = batch.join(0, std::mem::take(caches), request);
+    let finished = run_alone(&mut batch, joined, on_token)?;
+    *caches = finished.caches;
+    Ok(finished.generation)
+}
+
+/// [`generate`] with a draft method, in a batch of one that verifies: the same tokens (greedy,
+/// or sampled at the same seed), fewer target passes when drafts are accepted. `earlier` are
+/// the tokens `caches` already hold (a resumed conversation), so that the method sees the
+/// whole conversation. Returns the generation and the method's counts; the method keeps its
+/// state of the conversation (a draft model's caches, ready to checkpoint).
+pub fn speculate(
+    model: &dyn Model,
+    caches: &mut Vec<Box<dyn Cache>>,
+    earlier: &[u32],
+    request: &GenerateRequest,
+    method: &mut dyn DraftMethod,
+    length: DraftLength,
+    on_token: impl FnMut(u32) -> Flow,
+) -> Result<(Generation, SpecStats)> {
+    if stack_offset(caches) != earlier.len() {
+        return Err(Error::InvalidRequest(format!(
+            "the caches hold {} positions, not the {} earlier tokens given",
+            stack_offset(caches),
+            earlier.len()
+        )));
+    }
+    crate::generate::check_prompt(model, earlier.len(), &request.prompt, request.max_tokens)?;
+    let mut batch = Batch::verifying(model);
+    let lent = Method::Lent(method);
+    let joined = batch.join_with(0, std::mem::take(caches), request, earlier, lent, length);
+    let finished = run_alone(&mut batch, joined, on_token)?;
+    *caches = finished.caches;
+    let spec = finished.spec.unwrap_or_default();
+    Ok((finished.generation, spec))
+}
+
+/// Steps a batch holding one row (joined with `joined`'s events) until the row ends,
+/// streaming its tokens to `on_token`; [`Flow::Stop`] cancels it after that token.
+fn run_alone(
+    batch: &mut Batch<'_>,
+    joined: Result<Vec<BatchEvent>>,
+    mut on_token: impl FnMut(u32) -> Flow,
+) -> Result<Finished> {
+    // The first token comes with the join; the steps tell of theirs as they emit them.
+    for event in joined? {
+        match event {
+            BatchEvent::Token { token, .. } => {
+                if on_token(token) == Flow::Stop
+                    && let Some(finished) = batch.cancel(0)?
+                {
+                    return Ok(finished);
+                }
+            }
+            BatchEvent::Finished(finished) => return Ok(finished),
+        }
+    }
+    loop {
+        let events = batch.step_with(&mut |_, token| on_token(token))?;
+        for event in events {
+            if let BatchEvent::Finished(finished) = event {
+                return Ok(finished);
+            }
+        }
+    }
 }

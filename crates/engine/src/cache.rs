@@ -146,6 +146,10 @@ pub trait Cache: std::fmt::Debug {
     fn row_offsets(&self) -> Option<Vec<usize>> {
         None
     }
+    /// This cache as a batch of rows, when it is one.
+    fn as_batch_rows(&self) -> Option<&dyn BatchRows> {
+        None
+    }
     /// This cache as a batch of rows, when it is one (rows joining and leaving).
     fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
         None
@@ -215,6 +219,10 @@ macro_rules! rows_cache_methods {
             Err(super::row_by_row("trimmed"))
         }
 
+        fn as_batch_rows(&self) -> Option<&dyn BatchRows> {
+            Some(self)
+        }
+
         fn as_batch_rows_mut(&mut self) -> Option<&mut dyn BatchRows> {
             Some(self)
         }
@@ -255,6 +263,24 @@ pub trait BatchRows: Cache {
     fn rollback_rows(&mut self, keep: &[usize]) -> Result<()> {
         let _ = keep;
         Err(round_error("these rows resolve no rounds"))
+    }
+    /// Row `row`'s donor read ([`AttentionCache::donor_read`]): every position it stores, in
+    /// slot order, as its own storage would lend them. `None` for a row storing nothing, and
+    /// for rows that are no attention storage.
+    fn row_donor_read(&self, row: usize) -> Result<Option<AttentionRead>> {
+        let _ = row;
+        Ok(None)
+    }
+}
+
+/// What a drafter reads of a layer's keys and values for row `row` of `cache`: the donor read of
+/// a single-sequence storage (row 0), or of that row of a batch.
+pub fn donor_read(cache: &dyn Cache, row: usize) -> Result<Option<AttentionRead>> {
+    match (cache.as_batch_rows(), cache.as_attention()) {
+        (Some(rows), _) => rows.row_donor_read(row),
+        (None, Some(attention)) if row == 0 => attention.donor_read(),
+        (None, Some(_)) => Err(Error::InvalidRequest(format!("row {row} of a single sequence"))),
+        (None, None) => Ok(None),
     }
 }
 
@@ -487,6 +513,15 @@ impl CacheState {
             .get(key)
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| Error::InvalidRequest(format!("cache state has no numeric `{key}`")))
+    }
+}
+
+/// Row `row`'s offset in a stack of caches: the offset of a single sequence (row 0), or that
+/// row's in a batch.
+pub fn stack_row_offset(caches: &[Box<dyn Cache>], row: usize) -> usize {
+    match stack_row_offsets(caches) {
+        Some(offsets) => offsets.get(row).copied().unwrap_or(0),
+        None => stack_offset(caches),
     }
 }
 

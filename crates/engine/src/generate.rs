@@ -1,6 +1,8 @@
-//! The generation loop: chunked prefill through window appends, then a decode loop that
-//! builds step *t+1* before reading token *t* (`async_eval` pipelining), streaming each token
-//! to a callback, with stop tokens, a token budget, cancellation and a context guard.
+//! What a generation is asked and gives: the request ([`GenerateRequest`]), its prompt checked
+//! against the model's context and prefilled in chunks through window appends ([`prefill`],
+//! with images [`prefill_multimodal`]), why it ended ([`StopReason`]) and its timings
+//! ([`GenerationStats`]). Decoding is the batch's ([`crate::batch`]): every reply is a row of
+//! one, a reply alone a batch of one ([`crate::batch::generate`]).
 
 use std::time::Instant;
 
@@ -10,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::cache::{Cache, stack_offset};
 use crate::error::{Error, Result};
 use crate::models::{Model, Phase, Rows};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::SamplingParams;
 
 /// One generation request.
 #[derive(Debug, Clone)]
@@ -110,7 +112,7 @@ pub struct GenerationStats {
     pub decode_wait_ms: f64,
 }
 
-/// The result of [`generate`].
+/// The result of a generation ([`crate::batch::generate`], a row of a batch).
 #[derive(Debug, Clone)]
 pub struct Generation {
     /// Generated ids, in order (a stop token included).
@@ -261,79 +263,6 @@ pub fn prefill_multimodal(
     last.ok_or_else(|| Error::InvalidRequest("the prompt is empty".into()))
 }
 
-/// The part of a generation both loops share: the first-token timing, the stream of emitted
-/// tokens, and the stop conditions (a stop token, the callback, the token budget).
-pub(crate) struct Emitter<'r, F: FnMut(u32) -> Flow> {
-    request: &'r GenerateRequest,
-    on_token: F,
-    start: Instant,
-    first_at: Option<Instant>,
-    /// Generated ids so far.
-    pub(crate) tokens: Vec<u32>,
-    /// The prompt and the generated ids (what penalties look at).
-    pub(crate) history: Vec<u32>,
-    pub(crate) stats: GenerationStats,
-}
-
-impl<'r, F: FnMut(u32) -> Flow> Emitter<'r, F> {
-    pub(crate) fn new(request: &'r GenerateRequest, start: Instant, on_token: F) -> Self {
-        Emitter {
-            request,
-            on_token,
-            start,
-            first_at: None,
-            tokens: Vec::new(),
-            history: request.prompt.clone(),
-            stats: GenerationStats {
-                prompt_tokens: request.prompt.len(),
-                ..GenerationStats::default()
-            },
-        }
-    }
-
-    /// Emits one token; `Some` when generation ends with it.
-    pub(crate) fn emit(&mut self, token: u32) -> Option<StopReason> {
-        if self.first_at.is_none() {
-            let now = Instant::now();
-            let elapsed = now.duration_since(self.start).as_secs_f64();
-            self.stats.ttft_ms = elapsed * 1e3;
-            self.stats.prefill_tok_s = self.request.prompt.len() as f64 / elapsed;
-            self.first_at = Some(now);
-        }
-        self.tokens.push(token);
-        self.history.push(token);
-        if self.request.stop_tokens.contains(&token) {
-            // The stop token is still reported to the caller's stream.
-            let _ = (self.on_token)(token);
-            return Some(StopReason::StopToken);
-        }
-        if (self.on_token)(token) == Flow::Stop {
-            return Some(StopReason::Stopped);
-        }
-        if self.tokens.len() >= self.request.max_tokens {
-            return Some(StopReason::MaxTokens);
-        }
-        None
-    }
-
-    /// Tokens still allowed after the ones emitted.
-    pub(crate) fn remaining(&self) -> usize {
-        self.request.max_tokens.saturating_sub(self.tokens.len())
-    }
-
-    pub(crate) fn finish(mut self, stop_reason: StopReason) -> Result<Generation> {
-        self.stats.generated_tokens = self.tokens.len();
-        if let Some(first) = self.first_at {
-            let decode_secs = first.elapsed().as_secs_f64();
-            if self.tokens.len() > 1 && decode_secs > 0.0 {
-                self.stats.decode_tok_s = (self.tokens.len() - 1) as f64 / decode_secs;
-            }
-        }
-        self.stats.peak_mem_bytes = mlx::device::memory::peak()?;
-        Ok(Generation { tokens: self.tokens, stop_reason, stats: self.stats })
-    }
-}
-
 /// Checks the request and prefills its prompt (with its images); returns the last position's
 /// logits `[1, V]` and when the generation started.
 pub(crate) fn start(
@@ -351,111 +280,4 @@ pub(crate) fn start(
         prefill_multimodal(model, caches, &request.prompt, &request.images, request.prefill_step)?
     };
     Ok((logits, start))
-}
-
-/// One decode step: appends `token` and samples the next one (lazy).
-pub(crate) fn decode_step(
-    model: &dyn Model,
-    caches: &mut [Box<dyn Cache>],
-    sampler: &mut Sampler,
-    token: &Array,
-    history: &[u32],
-) -> Result<Array> {
-    let logits = model.forward_decode(&token.reshape(&[1, 1])?, caches)?;
-    let v = logits.dim(-1)?;
-    sampler.sample(&logits.reshape(&[1, v])?, history)
-}
-
-/// Runs `build` (building and submitting one decode step), adding its time to the host total.
-fn timed_step(stats: &mut GenerationStats, build: impl FnOnce() -> Result<Array>) -> Result<Array> {
-    let start = Instant::now();
-    let step = build();
-    stats.decode_host_ms += start.elapsed().as_secs_f64() * 1e3;
-    step
-}
-
-/// How a run of decode steps ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Decoded {
-    /// Generation is over.
-    Ended(StopReason),
-    /// The step limit was reached; this token was emitted and is not appended yet.
-    Paused(u32),
-}
-
-/// Emits `y` (a lazy token from the last forward pass) and decodes after it, one step per
-/// token, building each step on the still-lazy token before reading it when `pipelined` (no
-/// penalty needs the token first), until generation ends or `limit` tokens were emitted.
-pub(crate) fn decode_loop<F: FnMut(u32) -> Flow>(
-    model: &dyn Model,
-    caches: &mut [Box<dyn Cache>],
-    sampler: &mut Sampler,
-    mut y: Array,
-    out: &mut Emitter<'_, F>,
-    limit: usize,
-    pipelined: bool,
-) -> Result<Decoded> {
-    mlx::async_eval(&[&y])?;
-    let mut emitted = 0;
-    loop {
-        let more = out.remaining() > 1 && emitted + 1 < limit;
-        let mut next = None;
-        if more && pipelined {
-            let mut built = 0.0;
-            let n = timed_step(&mut out.stats, || {
-                let start = Instant::now();
-                let n = decode_step(model, caches, sampler, &y, &out.history)?;
-                built = start.elapsed().as_secs_f64() * 1e3;
-                mlx::async_eval(&[&n])?;
-                Ok(n)
-            })?;
-            out.stats.decode_build_ms += built;
-            next = Some(n);
-        }
-        let waited = Instant::now();
-        let token = y.item::<u32>()?;
-        if emitted > 0 {
-            out.stats.decode_wait_ms += waited.elapsed().as_secs_f64() * 1e3;
-        }
-        emitted += 1;
-        if let Some(reason) = out.emit(token) {
-            if next.is_some() {
-                // The step built ahead is still running: wait for it, so that nothing of this
-                // reply computes after it has returned (its caches are settled, and a process
-                // that ends now does not free what that step still writes).
-                mlx::device::synchronize()?;
-            }
-            return Ok(Decoded::Ended(reason));
-        }
-        if !more {
-            return Ok(Decoded::Paused(token));
-        }
-        y = match next {
-            Some(n) => n,
-            None => timed_step(&mut out.stats, || {
-                decode_step(model, caches, sampler, &y, &out.history)
-            })?,
-        };
-    }
-}
-
-/// Generates after appending `request.prompt` to `caches`, streaming each token to `on_token`.
-pub fn generate(
-    model: &dyn Model,
-    caches: &mut [Box<dyn Cache>],
-    request: &GenerateRequest,
-    on_token: impl FnMut(u32) -> Flow,
-) -> Result<Generation> {
-    let mut sampler = Sampler::constrained(request.sampling.clone(), request.constraint.clone())?;
-    let pipelined = !request.sampling.penalizes();
-    let (logits, start) = self::start(model, caches, request)?;
-    let mut out = Emitter::new(request, start, on_token);
-    if request.max_tokens == 0 {
-        return out.finish(StopReason::MaxTokens);
-    }
-    let y = sampler.sample(&logits, &out.history)?;
-    match decode_loop(model, caches, &mut sampler, y, &mut out, usize::MAX, pipelined)? {
-        Decoded::Ended(reason) => out.finish(reason),
-        Decoded::Paused(_) => out.finish(StopReason::MaxTokens),
-    }
 }

@@ -12,10 +12,11 @@
 //!    chat template ([`tokenizer`]) and the model's image preprocessor ([`vision::Vision`]),
 //!    restores the best KV checkpoint offered ([`kv_file`]), or makes fresh caches from the
 //!    model's [`cache::CachePlan`].
-//! 3. [`generate::generate`] prefills the prompt through window appends and decodes token by
-//!    token, each step compiled where the caches allow ([`compiled`]);
-//!    [`speculative::generate`] does the same with a draft method, verifying drafts in windows
-//!    and rolling the caches back to what the target kept.
+//! 3. The reply is a row of a [`batch::Batch`] (the one decode path; alone, a batch of one:
+//!    [`batch::generate`], [`batch::speculate`]): its prompt prefilled through window appends,
+//!    then decoded with the other rows one pass per step, a lone row's step compiled where the
+//!    caches allow ([`compiled`]); rows that draft verify their drafts together in windows and
+//!    roll their caches back to what each kept.
 //! 4. The turn brings the caches to the next turn's boundary and writes its checkpoint.
 //!
 //! # Where to start reading
@@ -23,7 +24,7 @@
 //! [`cache`]: its traits carry the invariants the rest relies on (the phase is the method
 //! name; caches own their attention reads; signatures are explicit; a round is a transaction).
 //! Then [`models`] (the `Model` trait and the ports drafters read), one family
-//! (`models/gemma4/`), [`generate`], [`turn`].
+//! (`models/gemma4/`), [`batch`], [`turn`].
 //!
 //! ```no_run
 //! use engine::LoadOptions;

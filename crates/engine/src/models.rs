@@ -107,6 +107,13 @@ pub trait Model: std::fmt::Debug {
     fn max_context(&self) -> usize;
     /// Token ids that end a reply according to the config (`eos_token_id`).
     fn eos_token_ids(&self) -> Vec<u32>;
+    /// The final-normed hidden state `[B, T, H]` of the rows the last forward pass returned
+    /// logits for (every row, or the last: [`Rows`]), on a model whose ports lend it to
+    /// drafters ([`TargetPort::AssistantRows`], [`TargetPort::RecurrentMtp`]); `None` on
+    /// others, and before any pass.
+    fn last_hidden(&self) -> Option<Array> {
+        None
+    }
     /// The Gemma 4 assistant's port, when this model provides it.
     fn assistant_rows(&self) -> Option<&dyn AssistantRows> {
         None
@@ -174,16 +181,14 @@ pub trait AssistantRows {
     fn head_dims(&self) -> (i32, i32);
     /// The target's input embedding of `ids` `[B, T]`, scaled as the target scales it.
     fn embed(&self, ids: &Array) -> Result<Array>;
-    /// Reads of every stored position of the last layer of each type (its donor's cache).
-    fn donor_reads(&self, caches: &[Box<dyn Cache>]) -> Result<DonorReads>;
-    /// The final-normed hidden state `[B, T, H]` of the rows of the target's last forward
-    /// pass.
-    fn last_hidden(&self) -> Option<Array>;
+    /// Reads of every stored position of row `row` of the last layer of each type (its
+    /// donor's cache), from `caches`: a single sequence's (row 0) or a batch's layers.
+    fn donor_reads(&self, caches: &[Box<dyn Cache>], row: usize) -> Result<DonorReads>;
 }
 
 /// The [`TargetPort::RecurrentMtp`] port: what a recurrent multi-token-prediction head (Qwen3.5's
-/// MTP) reads from its target: the embedding, the output head, and the final-normed hidden
-/// state of every position the target computes.
+/// MTP) reads from its target: the embedding and the output head (the hidden state of every
+/// position the target computes comes with each pass: [`Target::hidden`]).
 pub trait RecurrentMtpRows {
     /// The target's residual width.
     fn hidden_size(&self) -> usize;
@@ -191,24 +196,37 @@ pub trait RecurrentMtpRows {
     fn embed(&self, ids: &Array) -> Result<Array>;
     /// The target's output head over final-normed hidden states.
     fn logits(&self, hidden: &Array) -> Result<Array>;
-    /// Starts keeping (or stops keeping and drops) the final-normed hidden rows of every
-    /// forward pass that returns all its rows ([`Rows::All`]: decode steps, verify windows;
-    /// a prefill chunk that returns only its last row keeps none).
-    fn keep_hidden(&self, on: bool);
-    /// The rows kept since the last call, each `[B, T, H]` with the position of its first row,
-    /// oldest first (a later pass over the same positions, after a rollback, supersedes).
-    fn take_hidden(&self) -> Vec<(usize, Array)>;
 }
 
-/// The target a method drafts for, as it stands between rounds: its caches hold every
-/// conversation token but the bonus.
+/// The target as a method drafting for one of its rows sees it: its caches hold every
+/// conversation token of the row but the bonus.
 #[derive(Debug, Clone, Copy)]
 pub struct Target<'a> {
     /// The target model.
     pub model: &'a dyn Model,
-    /// Its caches; empty for a row of a batch (whose caches are the batch's rows), where
-    /// only methods that read no [`TargetPort`] draft.
+    /// The caches the row lives in: a single sequence's, or a batch's layers.
     pub caches: &'a [Box<dyn Cache>],
+    /// The row's index in them (0 for a single sequence).
+    pub row: usize,
+    /// The target's final-normed hidden states of the row's positions in its last forward
+    /// pass, `[1, T, H]`, with the position of the first; given after each pass (the prompt's
+    /// last one to [`DraftMethod::start`], each step's to [`DraftMethod::settle`]) to a method
+    /// that reads a port, `None` otherwise.
+    pub hidden: Option<(usize, &'a Array)>,
+}
+
+impl Target<'_> {
+    /// Positions the row's caches hold.
+    pub fn offset(&self) -> usize {
+        crate::cache::stack_row_offset(self.caches, self.row)
+    }
+
+    /// [`Target::hidden`], or the refusal of a method that needs it.
+    pub fn hidden(&self) -> Result<(usize, &Array)> {
+        self.hidden.ok_or_else(|| {
+            Error::InvalidRequest("the target has run no forward pass to draft from".into())
+        })
+    }
 }
 
 /// A source of draft tokens.
@@ -223,17 +241,18 @@ pub trait DraftMethod: std::fmt::Debug {
     /// draft-side allocation.
     fn bind(&mut self, target: &dyn Model) -> Result<()>;
     /// A new generation: `context` is every token the target's caches hold after the prompt's
-    /// prefill (the whole conversation so far). Returns how many of those tokens the method
-    /// computed (a draft model's prefill of what its caches lacked; 0 for a method that keeps
-    /// no state of the conversation).
+    /// prefill (the whole conversation so far), the target's hidden state that of the
+    /// prompt's last position. Returns how many of those tokens the method computed (a draft
+    /// model's prefill of what its caches lacked; 0 for a method that keeps no state of the
+    /// conversation).
     fn start(&mut self, target: Target<'_>, context: &[u32]) -> Result<usize>;
     /// Up to `max` tokens to follow `context` (the conversation so far), whose last token (the
     /// bonus) the target has not appended yet. Fewer, or none, when the method has nothing
     /// worth verifying.
     fn propose(&mut self, target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>>;
-    /// After each round (its verify window appended and rolled back to what it kept) or
-    /// plain decode step: the target kept the first `accepted` drafts, and its last forward
-    /// pass's row `accepted` produced the next bonus.
+    /// After each forward pass of the target over the row, a round (its verify window
+    /// appended and rolled back to what it kept) or a plain decode step: the target kept the
+    /// first `accepted` drafts, and the pass's row `accepted` produced the next bonus.
     fn settle(&mut self, target: Target<'_>, accepted: usize) -> Result<()>;
     /// After a generation: the method's state to keep with the target's checkpoint at
     /// `tokens` (the conversation as the next turn's prompt starts: what this generation saw,
@@ -247,14 +266,8 @@ pub trait DraftMethod: std::fmt::Debug {
     fn resume(&mut self, _attachments: &[Attachment], _tokens: &[u32]) -> Result<()> {
         Ok(())
     }
-    /// After a generation (whatever its end): let go of what [`DraftMethod::bind`] asked of
-    /// the target (the hidden rows an MTP head has it keep).
-    fn release(&mut self, _target: &dyn Model) {}
     /// The same drafter with state of its own, for another conversation decoding at the same
     /// time (a row of a [`crate::batch::Batch`]): what it loaded (a draft model's weights) is
-    /// shared, its conversation state starts empty. `None` for a method that drafts for one
-    /// conversation at a time.
-    fn fork(&self) -> Option<Box<dyn DraftMethod>> {
-        None
-    }
+    /// shared, its conversation state starts empty.
+    fn fork(&self) -> Box<dyn DraftMethod>;
 }

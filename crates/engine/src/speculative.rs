@@ -7,7 +7,9 @@
 //! from its seeded stream per emitted token, so the output equals non-speculative output at
 //! the same seed: mlx-vlm's rule, `shared/reference/engine.md` §0.4), a draft is accepted while
 //! it equals that pick, and the caches roll back to the kept positions. The target's pick at
-//! the first mismatch (or after the last draft) is the next round's bonus token.
+//! the first mismatch (or after the last draft) is the next round's bonus token. Rounds run
+//! in the one decode path, a row of a [`crate::batch::Batch`] that verifies
+//! ([`crate::batch::speculate`] for a reply alone).
 //!
 //! Methods ([`DraftMethod`]) name the target ports they read ([`TargetPort`](crate::models::TargetPort)) and are refused
 //! before they allocate anything when the target lacks one ([`crate::models::target_lacks`]):
@@ -25,14 +27,8 @@ use std::path::PathBuf;
 use mlx::Array;
 use serde::{Deserialize, Serialize};
 
-use crate::cache::{Cache, stack_max_append, stack_offset};
-use crate::error::{Error, Result};
-use crate::generate::{
-    Decoded, Emitter, Flow, GenerateRequest, Generation, StopReason, decode_loop, decode_step,
-    start,
-};
+use crate::error::Result;
 pub use crate::models::{DraftMethod, Target};
-use crate::models::{Model, Phase, target_lacks};
 use crate::sampling::Sampler;
 
 /// How a reply is decoded: plainly, or speculatively with a draft method (the same tokens
@@ -148,181 +144,8 @@ impl SpecStats {
     }
 }
 
-/// [`crate::generate::generate`] with a draft method: the same tokens (greedy, or sampled at
-/// the same seed), fewer target forward passes when drafts are accepted. Returns the
-/// generation and the method's counts.
-///
-/// `earlier` are the tokens `caches` already hold (a resumed conversation), so that the method
-/// sees the whole conversation.
-pub fn generate(
-    model: &dyn Model,
-    caches: &mut [Box<dyn Cache>],
-    earlier: &[u32],
-    request: &GenerateRequest,
-    method: &mut dyn DraftMethod,
-    length: DraftLength,
-    on_token: impl FnMut(u32) -> Flow,
-) -> Result<(Generation, SpecStats)> {
-    if length.max == 0 {
-        return Err(Error::InvalidRequest("a speculative round drafts at least one token".into()));
-    }
-    for &port in method.ports() {
-        if !model.provides(port) {
-            return Err(target_lacks(port));
-        }
-    }
-    method.bind(model)?;
-    let result = rounds(model, caches, earlier, request, method, length, on_token);
-    method.release(model);
-    result
-}
-
-/// [`generate`] once the method is bound.
-fn rounds(
-    model: &dyn Model,
-    caches: &mut [Box<dyn Cache>],
-    earlier: &[u32],
-    request: &GenerateRequest,
-    method: &mut dyn DraftMethod,
-    length: DraftLength,
-    on_token: impl FnMut(u32) -> Flow,
-) -> Result<(Generation, SpecStats)> {
-    let mut sampler = Sampler::new(request.sampling.clone())?;
-    let greedy = request.sampling.is_greedy();
-    if stack_offset(caches) != earlier.len() {
-        return Err(Error::InvalidRequest(format!(
-            "the caches hold {} positions, not the {} earlier tokens given",
-            stack_offset(caches),
-            earlier.len()
-        )));
-    }
-    let (logits, started) = start(model, caches, request)?;
-    let mut out = Emitter::new(request, started, on_token);
-    let mut stats = SpecStats { method: method.name().into(), ..SpecStats::default() };
-    if request.max_tokens == 0 {
-        return with_stats(out.finish(StopReason::MaxTokens), stats);
-    }
-    // The whole conversation, as the method sees it.
-    let mut context: Vec<u32> = earlier.iter().chain(&request.prompt).copied().collect();
-    stats.context_computed = method.start(Target { model, caches }, &context)?;
-    let mut bonus = sampler.sample(&logits, &out.history)?.item::<u32>()?;
-    context.push(bonus);
-    if let Some(reason) = out.emit(bonus) {
-        return with_stats(out.finish(reason), stats);
-    }
-    let pipelined = !request.sampling.penalizes();
-    let mut pace = Pace::new(length);
-    let stop_reason = loop {
-        if pace.backoff > 0 {
-            // Decoded plainly, pipelined.
-            let backoff = std::mem::take(&mut pace.backoff);
-            let token = Array::from_slice(&[bonus], &[1])?;
-            let y = decode_step(model, caches, &mut sampler, &token, &out.history)?;
-            let before = out.tokens.len();
-            let decoded =
-                decode_loop(model, caches, &mut sampler, y, &mut out, backoff, pipelined)?;
-            context.extend_from_slice(&out.tokens[before..]);
-            match decoded {
-                Decoded::Ended(reason) => break reason,
-                Decoded::Paused(token) => bonus = token,
-            }
-            method.settle(Target { model, caches }, 0)?;
-            continue;
-        }
-        // A round never drafts past the token budget: the bonus and k drafts emit at most
-        // k + 1 tokens.
-        // Nor past a storage's KV conversion: the window `[bonus, drafts…]` ends at it at the
-        // latest, so every position is read at the precision decode steps would read it.
-        let room = stack_max_append(caches).map_or(usize::MAX, |r| r.saturating_sub(1));
-        let budget = out.remaining().saturating_sub(1).min(room);
-        let mut drafts = Vec::new();
-        if budget > 0 {
-            drafts = method.propose(Target { model, caches }, &context, pace.k().min(budget))?;
-            drafts.truncate(pace.k().min(budget));
-        }
-        if drafts.is_empty() {
-            // Nothing to verify: a plain decode step.
-            let token = Array::from_slice(&[bonus], &[1])?;
-            bonus =
-                decode_step(model, caches, &mut sampler, &token, &out.history)?.item::<u32>()?;
-            context.push(bonus);
-            if let Some(reason) = out.emit(bonus) {
-                break reason;
-            }
-            method.settle(Target { model, caches }, 0)?;
-            continue;
-        }
-        let mut window = Vec::with_capacity(drafts.len() + 1);
-        window.push(bonus);
-        window.extend_from_slice(&drafts);
-        for cache in caches.iter_mut() {
-            cache.spec_round_begin()?;
-        }
-        let verified = verify(model, caches, &window, &mut sampler, &out.history, greedy, &drafts);
-        let picks = match verified {
-            Ok(picks) => picks,
-            Err(e) => {
-                for cache in caches.iter_mut() {
-                    let _ = cache.spec_round_rollback(0);
-                }
-                return Err(e);
-            }
-        };
-        // picks[i] is the target's token after window[..=i]; drafts are accepted while equal.
-        let accepted = drafts.iter().zip(&picks).take_while(|(d, p)| d == p).count();
-        stats.rounds += 1;
-        stats.proposed += drafts.len();
-        stats.accepted += accepted;
-        // Emit the accepted drafts and the target's own next token, stopping early if asked.
-        let mut emitted = 0;
-        let mut ended = None;
-        for &token in &picks[..=accepted] {
-            emitted += 1;
-            context.push(token);
-            if let Some(reason) = out.emit(token) {
-                ended = Some(reason);
-                break;
-            }
-        }
-        // The caches keep the bonus and the drafts before the last emitted token (which is
-        // the next bonus, not yet appended).
-        for cache in caches.iter_mut() {
-            cache.spec_round_rollback(emitted)?;
-        }
-        if let Some(reason) = ended {
-            break reason;
-        }
-        bonus = picks[accepted];
-        method.settle(Target { model, caches }, accepted)?;
-        pace.after_round(drafts.len(), accepted);
-    };
-    with_stats(out.finish(stop_reason), stats)
-}
-
 /// The most tokens decoded plainly between two rounds after drafts kept failing.
 const MAX_BACKOFF: usize = 64;
-
-fn with_stats(generation: Result<Generation>, stats: SpecStats) -> Result<(Generation, SpecStats)> {
-    generation.map(|g| (g, stats))
-}
-
-/// Appends the verify window and returns the target's pick after each of its positions. Greedy
-/// picks are one argmax over every row; sampled picks are drawn one by one, in order, and only
-/// while the drafts match (so the sampler's stream advances once per emitted token).
-fn verify(
-    model: &dyn Model,
-    caches: &mut [Box<dyn Cache>],
-    window: &[u32],
-    sampler: &mut Sampler,
-    history: &[u32],
-    greedy: bool,
-    drafts: &[u32],
-) -> Result<Vec<u32>> {
-    let ids = crate::tokens::ids(window)?;
-    let logits = model.forward(&ids, caches, Phase::Window)?; // [1, k + 1, V]
-    let v = logits.dim(-1)?;
-    picks(&logits.reshape(&[window.len() as i32, v])?, sampler, history, greedy, drafts)
-}
 
 /// The target's pick after each position of a verify window from its logits `[L, V]`: greedy,
 /// one argmax over every position; sampled, drawn one by one in order and only while the
@@ -331,10 +154,9 @@ pub(crate) fn picks(
     logits: &Array,
     sampler: &mut Sampler,
     history: &[u32],
-    greedy: bool,
     drafts: &[u32],
 ) -> Result<Vec<u32>> {
-    if greedy {
+    if sampler.params().is_greedy() {
         return Ok(logits.argmax(-1, false)?.to_vec::<u32>()?);
     }
     let (rows, v) = (logits.dim(0)?, logits.dim(1)?);

@@ -9,8 +9,9 @@
 //!    to where they part where the storage allows ([`ResumeCandidate`]), and refuses damaged
 //!    or foreign files without losing the turn;
 //! 3. encodes the images after the restored prefix and prefills the rest;
-//! 4. decodes, plainly or with the chosen draft method ([`Speculation`], [`Drafters`]),
-//!    streaming each token with its text ([`TurnEvent`]);
+//! 4. decodes as a row of a batch ([`TurnBatch`]: with the turns decoding beside it, or alone
+//!    in a batch of one), plainly or with the chosen draft method ([`Speculation`],
+//!    [`Drafters`]), streaming each token with its text ([`TurnEvent`]);
 //! 5. brings the caches to the turn boundary — the conversation with this reply, as the next
 //!    turn's prompt will start — and writes the checkpoint there, with the draft method's own
 //!    state attached.
@@ -33,13 +34,13 @@ pub use drafters::Drafters;
 
 use crate::cache::{KvOptions, stack_offset};
 use crate::error::{Error, Result};
-use crate::generate::{Flow, GenerateRequest, Generation, StopReason, generate};
+use crate::generate::{Flow, GenerateRequest, Generation, StopReason};
 use crate::kv_file::{self, Identity};
 use crate::memory::{Beside, Fit};
 use crate::models::Model;
 use crate::options::LoadOptions;
 use crate::sampling::SamplingParams;
-use crate::speculative::{self, DraftLength, DraftMethod, SpecStats, Speculation};
+use crate::speculative::{DraftLength, DraftMethod, SpecStats, Speculation};
 use crate::tokenizer::{TemplateOptions, TextStream, Tokenizer};
 
 /// A model ready to answer turns: its weights, its tokenizer (absent for a checkpoint without
@@ -435,7 +436,7 @@ impl ChatModel {
         }
         for length in turns {
             let request = GenerateRequest::new(vec![2; length], 2);
-            generate(model, &mut caches, &request, |_| Flow::Continue)?;
+            crate::batch::generate(model, &mut caches, &request, |_| Flow::Continue)?;
         }
         Ok(())
     }
@@ -484,56 +485,25 @@ impl ChatModel {
     }
 
     /// Answers `turn` (see the module docs), streaming each token to `on_event`, which may stop
-    /// it after the token it was given. Draft methods come from `drafters`, which keeps them
-    /// loaded for the next turns.
-    pub fn answer(
-        &self,
+    /// it after the token it was given: a [`TurnBatch`] of one, as every reply is a row of a
+    /// batch. Draft methods come from `drafters`, which keeps them loaded for the next turns.
+    pub fn answer<'c>(
+        &'c self,
         turn: &Turn,
         drafters: &mut Drafters,
-        mut on_event: impl FnMut(TurnEvent) -> Flow,
+        on_event: impl FnMut(TurnEvent) -> Flow + 'c,
     ) -> Result<TurnOutcome> {
-        let mut opened = self.open(turn, self.admit(turn, Beside::NONE)?)?;
-        let model = self.model();
-        let mut method = drafters.method(self, &turn.speculation)?;
-        if let (Some(m), Some((_, contents))) = (method.as_deref_mut(), &opened.resumed) {
-            // The method's own state kept with the checkpoint (a draft model's caches).
-            m.resume(&contents.attachments, &contents.tokens)?;
-        }
-        let mut reply = ReplyText::new(self, turn, opened.started);
-        let stop_tokens = opened.stop_tokens.clone();
-        let on_token = |token| reply.push(token, &stop_tokens, &mut on_event);
-        let context_len = opened.prompt.len() - opened.request.prompt.len();
-        let (generation, spec) = match method.as_deref_mut() {
-            Some(method) => {
-                let (generation, spec) = speculative::generate(
-                    model,
-                    &mut opened.caches,
-                    &opened.prompt[..context_len],
-                    &opened.request,
-                    method,
-                    turn.draft_length,
-                    on_token,
-                )?;
-                (generation, Some(spec))
+        let mut batch = TurnBatch::new(self);
+        match batch.join(0, turn, drafters, on_event)? {
+            Joined::Ended(outcome) => Ok(*outcome),
+            Joined::Decoding => loop {
+                if let Some((_, outcome)) = batch.step()?.pop() {
+                    return outcome;
+                }
+            },
+            Joined::Waits { .. } | Joined::Behind => {
+                Err(Error::InvalidRequest("a turn alone waited for others to end".into()))
             }
-            None => (generate(model, &mut opened.caches, &opened.request, on_token)?, None),
-        };
-        self.close(turn, opened, generation, spec, reply, method)
-    }
-
-    /// Whether [`TurnBatch`] takes `turn`: plain decoding, or drafts by prompt lookup or a
-    /// draft model where the model's state resolves a round per row (an assistant reads the
-    /// target's own keys and hidden state, which a batch keeps in rows: it drafts for one
-    /// reply at a time). Every storage batches ([`crate::cache::Cache::empty_rows`]).
-    pub fn batches(&self, turn: &Turn) -> bool {
-        match turn.speculation {
-            Speculation::Off => true,
-            Speculation::Lookup | Speculation::Draft { .. } => {
-                self.model().fresh_caches().is_ok_and(|caches| {
-                    caches.iter().all(|c| c.empty_rows(crate::cache::Rounds::PerRow).is_some())
-                })
-            }
-            Speculation::Assistant { .. } => false,
         }
     }
 

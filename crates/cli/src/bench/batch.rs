@@ -130,7 +130,7 @@ fn run_once(
         }
         let events = match drafter {
             Some(drafter) => {
-                let fork = drafter.fork().context("a drafter that drafts for one stream")?;
+                let fork = drafter.fork();
                 batch.join_drafting(id, caches, &request, &[], fork, DraftLength::default())?
             }
             None => batch.join(id, caches, &request)?,

@@ -1,8 +1,9 @@
 //! `quince bench --gpu-clock`: decode steps timed by the GPU's own clock (CUDA), unread and
 //! read back as the decode loop reads them.
 
+use engine::batch::generate;
 use engine::cache::Cache;
-use engine::generate::{Flow, GenerateRequest, generate};
+use engine::generate::{Flow, GenerateRequest};
 use engine::models::Model;
 use mlx::Array;
 use serde_json::json;

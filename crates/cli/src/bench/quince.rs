@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 
 use anyhow::bail;
-use engine::generate::{Flow, GenerateRequest, generate};
+use engine::batch::generate;
+use engine::generate::{Flow, GenerateRequest};
 use engine::models::Model;
 use mlx::Array;
 use serde_json::json;

@@ -15,11 +15,12 @@
 use std::time::Instant;
 
 use anyhow::bail;
+use engine::batch::generate;
 use engine::cache::Cache;
-use engine::generate::{Flow, GenerateRequest, generate};
+use engine::generate::{Flow, GenerateRequest};
 use engine::models::{Model, Phase};
 use engine::speculative::draft_model::DraftModel;
-use engine::speculative::{self, DraftLength, DraftMethod, Target};
+use engine::speculative::{DraftLength, DraftMethod, Target};
 use serde_json::json;
 
 use crate::bench::synthetic_prompt;
@@ -75,6 +76,9 @@ impl DraftMethod for NeverRight {
     }
     fn settle(&mut self, _: Target<'_>, _: usize) -> engine::Result<()> {
         Ok(())
+    }
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        Box::new(NeverRight)
     }
 }
 
@@ -149,7 +153,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let mut caches = model.fresh_caches()?;
         let length = DraftLength { max: args.num_draft, adaptive };
         let (reply, stats) =
-            speculative::generate(model, &mut caches, &[], &request, method, length, |_| {
+            engine::batch::speculate(model, &mut caches, &[], &request, method, length, |_| {
                 Flow::Continue
             })?;
         anyhow::Ok((reply.stats.decode_tok_s, stats))

@@ -116,9 +116,8 @@ impl Cache for PositionCache {
         Some(self)
     }
 
-    /// Rows of rope shifts take no rounds yet: a model with them verifies one sequence.
-    fn empty_rows(&self, rounds: super::Rounds) -> Option<Box<dyn Cache>> {
-        (rounds == super::Rounds::No).then(|| Box::new(PositionRows::default()) as Box<dyn Cache>)
+    fn empty_rows(&self, _rounds: super::Rounds) -> Option<Box<dyn Cache>> {
+        Some(Box::new(PositionRows::default()))
     }
 
     fn take_positions(&mut self) -> Option<PositionCache> {
@@ -174,10 +173,13 @@ impl Cache for PositionCache {
 
 /// The position shifts of a batch's rows, each row's its own [`PositionCache`]: a batched pass
 /// rotates row `r` from [`PositionRows::next_positions`]`[r]`. Batched passes append text
-/// (a row's images are prefilled before it joins), so an append advances every row alike.
+/// (a row's images are prefilled before it joins), so an append advances every row alike; a
+/// speculative round is each row's own, resolved with one keep count per row.
 #[derive(Debug, Default)]
 pub struct PositionRows {
     rows: Vec<PositionCache>,
+    /// Whether a round is armed.
+    round: bool,
 }
 
 impl PositionRows {
@@ -198,6 +200,9 @@ impl BatchRows for PositionRows {
     }
 
     fn merge_row(&mut self, mut row: Box<dyn Cache>) -> Result<()> {
+        if self.round {
+            return Err(round_error("rows join outside a round"));
+        }
         let signature = row.signature();
         let row = row.take_positions().ok_or_else(|| {
             Error::InvalidRequest(format!("a batch of rope positions cannot take {signature}"))
@@ -210,6 +215,9 @@ impl BatchRows for PositionRows {
     }
 
     fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>> {
+        if self.round {
+            return Err(round_error("rows leave outside a round"));
+        }
         if row >= self.rows.len() {
             return Err(Error::InvalidRequest(format!(
                 "row {row} of a batch of {}",
@@ -217,6 +225,32 @@ impl BatchRows for PositionRows {
             )));
         }
         Ok(Box::new(self.rows.remove(row)))
+    }
+
+    fn rollback_rows(&mut self, keep: &[usize]) -> Result<()> {
+        if !self.round {
+            return Err(round_error("rollback without a round"));
+        }
+        if keep.len() != self.rows.len() {
+            return Err(round_error(&format!(
+                "{} keep counts for {} rows",
+                keep.len(),
+                self.rows.len()
+            )));
+        }
+        if let Some((row, _)) =
+            self.rows.iter().zip(keep).find(|(r, k)| r.round.is_some_and(|s| r.offset - s < **k))
+        {
+            return Err(round_error(&format!(
+                "a row cannot keep more than it appended ({} positions)",
+                row.offset - row.round.unwrap_or(row.offset)
+            )));
+        }
+        for (row, &k) in self.rows.iter_mut().zip(keep) {
+            row.spec_round_rollback(k)?;
+        }
+        self.round = false;
+        Ok(())
     }
 }
 
@@ -247,15 +281,29 @@ impl Cache for PositionRows {
     }
 
     fn spec_round_begin(&mut self) -> Result<()> {
-        Err(round_error("a batch of rope positions takes no rounds yet"))
+        if self.round {
+            return Err(round_error("a round is already armed"));
+        }
+        for row in &mut self.rows {
+            row.spec_round_begin()?;
+        }
+        self.round = true;
+        Ok(())
     }
 
     fn spec_round_commit(&mut self) -> Result<()> {
-        Err(round_error("commit without a round"))
+        if !self.round {
+            return Err(round_error("commit without a round"));
+        }
+        for row in &mut self.rows {
+            row.spec_round_commit()?;
+        }
+        self.round = false;
+        Ok(())
     }
 
-    fn spec_round_rollback(&mut self, _keep: usize) -> Result<()> {
-        Err(round_error("rollback without a round"))
+    fn spec_round_rollback(&mut self, keep: usize) -> Result<()> {
+        self.rollback_rows(&vec![keep; self.rows.len()])
     }
 
     fn as_position_rows_mut(&mut self) -> Option<&mut PositionRows> {
@@ -288,6 +336,24 @@ mod tests {
         let mut q = PositionCache::new();
         q.restore(&saved).unwrap();
         assert_eq!((q.offset(), q.next_position()), (70, 25));
+    }
+
+    #[test]
+    fn rows_roll_back_each_its_own_count() {
+        let mut rows = PositionRows::default();
+        for (text, image_end) in [(3, 7), (5, 2)] {
+            let mut p = PositionCache::new();
+            p.advance_to(text, image_end);
+            rows.merge_row(Box::new(p)).unwrap();
+        }
+        rows.spec_round_begin().unwrap();
+        rows.advance(3);
+        assert!(rows.merge_row(Box::new(PositionCache::new())).is_err(), "no join in a round");
+        assert!(rows.rollback_rows(&[1, 4]).is_err(), "a row keeps at most what it appended");
+        rows.rollback_rows(&[1, 3]).unwrap();
+        assert_eq!(rows.row_offsets(), Some(vec![4, 8]));
+        assert_eq!(rows.next_positions(), vec![8, 5]);
+        assert!(rows.rollback_rows(&[0, 0]).is_err(), "no round armed");
     }
 
     #[test]

@@ -301,6 +301,11 @@ impl BatchRows for CacheRows {
         CacheRows::batch_size(self)
     }
 
+    fn row_donor_read(&self, row: usize) -> Result<Option<AttentionRead>> {
+        self.check_row(row)?;
+        self.row(row).map_or(Ok(None), |r| r.donor_read())
+    }
+
     fn merge_row(&mut self, row: Box<dyn Cache>) -> Result<()> {
         self.merge_rows(vec![row])
     }

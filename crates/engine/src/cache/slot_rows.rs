@@ -430,6 +430,30 @@ impl BatchRows for SlotRows {
         SlotRows::batch_size(self)
     }
 
+    /// A shared row lends its filled slots, as its own storage lends them.
+    fn row_donor_read(&self, b: usize) -> Result<Option<AttentionRead>> {
+        if b >= self.batch_size() {
+            return Err(Error::InvalidRequest(format!(
+                "row {b} of a batch of {}",
+                self.batch_size()
+            )));
+        }
+        match &self.layout {
+            Layout::Empty => Ok(None),
+            Layout::Lone(row) => row.as_attention().map_or(Ok(None), |a| a.donor_read()),
+            Layout::Shared(shared) => {
+                let row = &shared.rows[b];
+                let Some(parts) = shared.parts.as_ref().filter(|_| row.stored > 0) else {
+                    return Ok(None);
+                };
+                let own =
+                    parts.iter().map(|p| batch_rows(p, b, b + 1)).collect::<Result<Vec<_>>>()?;
+                let slots = kv::positions(&own, 0, row.stored)?;
+                Ok(Some(AttentionRead::one_query(slots, row.precision.codec(), &row.ops)))
+            }
+        }
+    }
+
     /// A row that cannot be taken apart ([`Cache::take_slots`]: another storage, an armed
     /// round) is refused, and nothing changes.
     fn merge_row(&mut self, mut row: Box<dyn Cache>) -> Result<()> {

@@ -228,15 +228,15 @@ impl DraftMethod for DraftModel {
         Ok(())
     }
 
-    fn fork(&self) -> Option<Box<dyn DraftMethod>> {
-        Some(Box::new(DraftModel {
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        Box::new(DraftModel {
             model: Rc::clone(&self.model),
             identity: self.identity.clone(),
             caches: Vec::new(),
             held: Vec::new(),
             round: None,
             prefill_step: self.prefill_step,
-        }))
+        })
     }
 
     fn checkpoint(&mut self, tokens: &[u32]) -> Result<Option<Attachment>> {

@@ -72,8 +72,8 @@ impl DraftMethod for PromptLookup {
         Ok(())
     }
 
-    fn fork(&self) -> Option<Box<dyn DraftMethod>> {
-        Some(Box::new(self.clone()))
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        Box::new(self.clone())
     }
 }
 

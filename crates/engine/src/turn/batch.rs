@@ -97,17 +97,14 @@ impl<'c> TurnBatch<'c> {
         self.batch.is_empty()
     }
 
-    /// Whether `turn` can join now: it decodes in batches ([`ChatModel::batches`]) and keeps
-    /// its keys and values as the turns in the batch do. A turn of another KV storage waits
-    /// for the batch to empty (its rows could not share the batch's layers), and so does a
-    /// turn that drafts (by prompt lookup or a draft model) when the batch's first turn did
-    /// not (its rows share buffers that resolve no rounds). A plain turn joins a batch that
+    /// Whether `turn` can join now: it keeps its keys and values as the turns in the batch do.
+    /// A turn of another KV storage waits for the batch to empty (its rows could not share the
+    /// batch's layers), and so does a turn that drafts when the batch's first turn did not
+    /// (its rows share buffers that resolve no rounds). A plain turn joins a batch that
     /// verifies, drafting nothing; turns of one batch may draft with different methods.
     pub fn takes(&self, turn: &Turn) -> bool {
         let drafts = turn.speculation != Speculation::Off;
-        self.chat.batches(turn)
-            && (self.rows.is_empty()
-                || (self.kv == Some(turn.kv) && (!drafts || self.batch.verifies())))
+        self.rows.is_empty() || (self.kv == Some(turn.kv) && (!drafts || self.batch.verifies()))
     }
 
     /// Opens `turn`, prefills it alone and streams its first token to `on_event`; the turn then
@@ -115,7 +112,7 @@ impl<'c> TurnBatch<'c> {
     /// fork of the drafter `drafters` keeps loaded (a draft model's weights are shared, its
     /// caches are the turn's, restored from the turn's checkpoint as [`ChatModel::answer`]
     /// restores them). A turn whose KV cache fits only once other turns end is not opened
-    /// ([`Joined::Waits`]). A turn the batch does not take ([`ChatModel::batches`]) or that
+    /// ([`Joined::Waits`]). A turn the batch does not take ([`TurnBatch::takes`]) or that
     /// fails to open (an unreadable image, a prompt over the context, a KV cache over the
     /// memory limit even alone, a drafter that does not load) is refused, and the other turns
     /// are unaffected.
@@ -187,8 +184,8 @@ impl<'c> TurnBatch<'c> {
     ) -> Result<Opening> {
         if !self.takes(turn) {
             return Err(Error::InvalidRequest(
-                "this turn cannot join the batch (an assistant model, drafts in a batch that \
-                 does not verify, or another KV storage than the batch's)"
+                "this turn cannot join the batch (drafts in a batch that does not verify, or \
+                 another KV storage than the batch's)"
                     .into(),
             ));
         }
@@ -283,8 +280,18 @@ impl<'c> TurnBatch<'c> {
     /// (or what failed in closing it). An error here is the batch's own (the forward pass
     /// failed): every turn in it is lost, and the caller fails them all ([`TurnBatch::ids`]).
     pub fn step(&mut self) -> Result<Vec<(RowId, Result<TurnOutcome>)>> {
-        let events = self.batch.step()?;
-        self.route(events)
+        let rows = &mut self.rows;
+        // Each token streams to its turn as it is emitted, so that a turn stopped by its
+        // callback or a stop string ends right there, inside a verify window too.
+        let events = self.batch.step_with(&mut |id, token| match rows.get_mut(&id) {
+            Some(row) => row.reply.push(token, &row.opened.stop_tokens, row.on_event.as_mut()),
+            None => Flow::Continue,
+        })?;
+        let ended = events.into_iter().filter_map(|event| match event {
+            BatchEvent::Finished(finished) => Some(finished),
+            BatchEvent::Token { .. } => None,
+        });
+        Ok(ended.collect::<Vec<_>>().into_iter().map(|f| (f.id, self.close(f))).collect())
     }
 
     /// The turns decoding, in row order.

@@ -1,5 +1,6 @@
 //! [`Drafters`]: the draft method a turn asks for, loaded on first use and kept for the next
-//! turns (a draft model keeps its caches between them).
+//! turns, each turn drafting with a fork of it (the same weights, state of its own, restored
+//! from the turn's checkpoint).
 
 use std::path::Path;
 
@@ -26,7 +27,7 @@ impl Drafters {
 
     /// The method `speculation` asks for, bound to `target` (`None` for plain decoding). A
     /// drafter that cannot serve the target is refused with the way out.
-    pub(super) fn method(
+    fn method(
         &mut self,
         target: &ChatModel,
         speculation: &Speculation,
@@ -55,25 +56,15 @@ impl Drafters {
         Ok(Some(method.as_mut()))
     }
 
-    /// The method `speculation` asks for, for a turn of a batch: a fork of the drafter kept
-    /// loaded ([`DraftMethod::fork`]: the same weights, state of its own), bound to `target`.
-    /// `None` for plain decoding; refused for a drafter that drafts for one conversation at a
-    /// time.
+    /// The method `speculation` asks for, for a turn (a row of a batch): a fork of the drafter
+    /// kept loaded ([`DraftMethod::fork`]: the same weights, state of its own), bound to
+    /// `target`. `None` for plain decoding.
     pub(super) fn fork(
         &mut self,
         target: &ChatModel,
         speculation: &Speculation,
     ) -> Result<Option<Box<dyn DraftMethod>>> {
-        let Some(method) = self.method(target, speculation)? else {
-            return Ok(None);
-        };
-        match method.fork() {
-            Some(fork) => Ok(Some(fork)),
-            None => Err(Error::InvalidRequest(format!(
-                "the {} drafts for one reply at a time: its replies do not join a batch",
-                method.name()
-            ))),
-        }
+        Ok(self.method(target, speculation)?.map(|method| method.fork()))
     }
 
     fn load(&self, target: &ChatModel, speculation: &Speculation) -> Result<Box<dyn DraftMethod>> {

@@ -177,7 +177,8 @@ mod tests {
 
     use super::*;
     use crate::LoadOptions;
-    use crate::generate::{Flow, generate};
+    use crate::batch::generate;
+    use crate::generate::Flow;
 
     fn qwen() -> ChatModel {
         let dir =

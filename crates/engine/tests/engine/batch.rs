@@ -6,14 +6,16 @@
 
 use std::collections::BTreeMap;
 
+use engine::batch::generate;
 use engine::batch::{Batch, BatchEvent, Finished, RowId};
 use engine::cache::Cache;
-use engine::generate::{Flow, GenerateRequest, generate};
+use engine::generate::{Flow, GenerateRequest};
 use engine::models::Model;
 use engine::sampling::SamplingParams;
 use engine::speculative::DraftMethod;
 use engine::speculative::lookup::PromptLookup;
 use mlx::Array;
+use proptest::prelude::*;
 
 use super::gemma4::golden_at;
 use super::vision::{ids, prompt_images, tensors};
@@ -373,7 +375,7 @@ fn drafting_rows_verify_together_and_equal_each_request_alone() {
                     // Row 1 drafts with the draft model, row 2 decodes plainly, the others
                     // draft by prompt lookup.
                     let method: Box<dyn DraftMethod> = match i {
-                        1 => drafter.fork().unwrap(),
+                        1 => drafter.fork(),
                         _ => Box::new(PromptLookup::default()),
                     };
                     let (id, length) = (i as RowId, DraftLength::default());
@@ -430,10 +432,8 @@ fn drafting_rows_verify_together_and_equal_each_request_alone() {
     }
 }
 
-/// A batch that decodes plainly takes no row that drafts, a batch that verifies takes no
-/// assistant (it reads the target's own state), and a model whose state takes no rounds per
-/// row (Qwen3.5's rope shifts, on its checkpoint with a vision tower) refuses a
-/// batch that verifies, before any prefill.
+/// A batch that decodes plainly takes no row that drafts, and a batch that verifies refuses a
+/// drafter reading a port its target lacks (the assistant on Qwen3.5), before any prefill.
 #[test]
 fn rows_that_draft_join_only_a_batch_that_verifies() {
     use engine::speculative::DraftLength;
@@ -446,22 +446,239 @@ fn rows_that_draft_join_only_a_batch_that_verifies() {
     let err = err.unwrap_err();
     assert!(err.to_string().contains("verifies"), "{err}");
     assert!(plain.is_empty());
-    // An assistant reads the target's own keys and hidden state: it drafts alone.
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/golden/assistant/assistant");
-    let assistant = engine::registry::load_drafter(&dir, &engine::LoadOptions::default()).unwrap();
+    let model = load("qwen3_5/dense");
     let mut verifying = Batch::verifying(model.as_ref());
     let caches = model.fresh_caches().unwrap();
     let length = DraftLength::default();
-    let err = verifying.join_drafting(0, caches, &request, &[], assistant, length).unwrap_err();
-    assert!(err.to_string().contains("one at a time"), "{err}");
+    let err = verifying.join_drafting(0, caches, &request, &[], assistant(), length).unwrap_err();
+    assert!(err.to_string().contains("does not provide assistantRows"), "{err}");
     assert!(verifying.is_empty());
-    let model = load("qwen3_5/vision");
-    let mut verifying = Batch::verifying(model.as_ref());
-    let caches = model.fresh_caches().unwrap();
-    let err = verifying.join(0, caches, &request).unwrap_err();
-    assert!(err.to_string().contains("does not batch"), "{err}");
-    assert!(verifying.is_empty());
+}
+
+/// The Gemma 4 assistant of the tiny assistant pair, loaded as the registry loads drafters.
+fn assistant() -> Box<dyn DraftMethod> {
+    engine::registry::load_drafter(checkpoint("assistant/assistant"), &Default::default()).unwrap()
+}
+
+/// A drafter whose proposals (still made, so it reads the target as it would) are replaced by
+/// the reply's own next tokens, right for the first `schedule[round % len]` and wrong after,
+/// so that rounds keep the counts the schedule asks.
+#[derive(Debug)]
+struct Forced {
+    inner: Box<dyn DraftMethod>,
+    /// The reply plain decoding gives, after `prompt` tokens of context.
+    reply: Vec<u32>,
+    prompt: usize,
+    schedule: Vec<usize>,
+    rounds: usize,
+}
+
+impl DraftMethod for Forced {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn ports(&self) -> &'static [engine::models::TargetPort] {
+        self.inner.ports()
+    }
+    fn bind(&mut self, target: &dyn Model) -> engine::Result<()> {
+        self.inner.bind(target)
+    }
+    fn start(&mut self, t: engine::models::Target<'_>, context: &[u32]) -> engine::Result<usize> {
+        self.inner.start(t, context)
+    }
+    fn propose(
+        &mut self,
+        target: engine::models::Target<'_>,
+        context: &[u32],
+        max: usize,
+    ) -> engine::Result<Vec<u32>> {
+        let own = self.inner.propose(target, context, max)?;
+        let right = self.schedule[self.rounds % self.schedule.len()];
+        self.rounds += 1;
+        let at = context.len() - self.prompt;
+        Ok((0..own.len())
+            .map(|j| {
+                let want = self.reply.get(at + j).copied().unwrap_or(0);
+                if j < right { want } else { want ^ 1 }
+            })
+            .collect())
+    }
+    fn settle(
+        &mut self,
+        target: engine::models::Target<'_>,
+        accepted: usize,
+    ) -> engine::Result<()> {
+        self.inner.settle(target, accepted)
+    }
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        unreachable!("forced drafts are made per row")
+    }
+}
+
+/// A target, its drafter, how rows 0–3 decode, and whether row 1 holds an image.
+type Case = (&'static str, Box<dyn DraftMethod>, [Drafts; 4], bool);
+
+/// How a row of [`every_drafter_and_state_kind_verify_in_one_batch_and_equal_each_alone`]
+/// decodes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Drafts {
+    Plainly,
+    ByLookup,
+    /// With the batch's drafter (a draft model, an assistant, an MTP head).
+    ByDrafter,
+}
+
+/// Rows drafting with every kind of method verify together in one batch that verifies, each
+/// with its own draft length and keep count: prompt lookup, a draft model, the Gemma 4
+/// assistant (reading its row of the target's donor caches and hidden state), Qwen3.5's MTP
+/// head (reading its row's hidden states beside gated DeltaNet state), and a Qwen3.5 row with
+/// an image (its rope shifts in rows that take rounds), beside rows decoding plainly and
+/// joining at different steps; the assistant's and the MTP head's drafts are forced right or
+/// wrong ([`Forced`]) so that every keep count occurs. Greedy and sampled at fixed seeds, each
+/// row streams what it streams alone (a batch of one, as `quince generate` runs it) and what
+/// plain decoding gives, and leaves holding bit for bit what the solo run's caches hold.
+#[test]
+fn every_drafter_and_state_kind_verify_in_one_batch_and_equal_each_alone() {
+    use engine::speculative::DraftLength;
+    use engine::speculative::draft_model::DraftModel;
+    let cases: [Case; 3] = [
+        (
+            "assistant/target",
+            assistant(),
+            [Drafts::Plainly, Drafts::ByDrafter, Drafts::ByLookup, Drafts::ByDrafter],
+            false,
+        ),
+        (
+            "qwen3_5/dense",
+            engine::registry::load_drafter(checkpoint("qwen3_5/mtp"), &Default::default()).unwrap(),
+            [Drafts::ByDrafter, Drafts::ByLookup, Drafts::Plainly, Drafts::ByDrafter],
+            false,
+        ),
+        (
+            "qwen3_5/vision",
+            Box::new(DraftModel::new(load("qwen3_5/vision"))),
+            [Drafts::ByLookup, Drafts::ByDrafter, Drafts::ByDrafter, Drafts::Plainly],
+            true,
+        ),
+    ];
+    for (name, drafter, kinds, image) in cases {
+        let model = load(name);
+        for sampled in [false, true] {
+            let what = format!("{name}, {}", if sampled { "sampled" } else { "greedy" });
+            let mut requests = requests(&repeating_prompt(), sampled);
+            for r in &mut requests {
+                r.max_tokens += 16;
+            }
+            if image {
+                let tokens = super::qwen3_5::ints(&super::qwen3_5::vision_golden()["prompt"]);
+                let images = super::qwen3_5::prompt_features(model.as_ref());
+                requests[1] = GenerateRequest {
+                    images,
+                    sampling: requests[1].sampling.clone(),
+                    ..GenerateRequest::new(tokens, 24)
+                };
+            }
+            let plain: Vec<Vec<u32>> =
+                requests.iter().map(|r| alone(model.as_ref(), r).0).collect();
+            let method = |i: usize| -> Option<Box<dyn DraftMethod>> {
+                match kinds[i] {
+                    Drafts::Plainly => None,
+                    Drafts::ByLookup => Some(Box::new(PromptLookup::default())),
+                    Drafts::ByDrafter if drafter.ports().is_empty() => Some(drafter.fork()),
+                    Drafts::ByDrafter => Some(Box::new(Forced {
+                        inner: drafter.fork(),
+                        reply: plain[i].clone(),
+                        prompt: requests[i].prompt.len(),
+                        schedule: vec![2, 0, 1, 3],
+                        rounds: 0,
+                    })),
+                }
+            };
+            let joins = [0, 1, 3, 4];
+            let mut batch = Batch::verifying(model.as_ref());
+            let mut streamed: BTreeMap<RowId, Vec<u32>> = BTreeMap::new();
+            let mut finished: BTreeMap<RowId, Finished> = BTreeMap::new();
+            let mut record = |events: Vec<BatchEvent>| {
+                for event in events {
+                    match event {
+                        BatchEvent::Token { id, token } => {
+                            streamed.entry(id).or_default().push(token)
+                        }
+                        BatchEvent::Finished(f) => assert!(finished.insert(f.id, f).is_none()),
+                    }
+                }
+            };
+            let length = |i: usize| DraftLength { max: 2 + i, adaptive: i.is_multiple_of(2) };
+            let mut most = 0;
+            for step in 0.. {
+                for (i, request) in requests.iter().enumerate().filter(|(i, _)| joins[*i] == step) {
+                    let (id, caches) = (i as RowId, model.fresh_caches().unwrap());
+                    let events = match method(i) {
+                        None => batch.join(id, caches, request),
+                        Some(m) => batch.join_drafting(id, caches, request, &[], m, length(i)),
+                    };
+                    record(events.unwrap());
+                }
+                most = most.max(batch.len());
+                if batch.is_empty() && step > 4 {
+                    break;
+                }
+                record(batch.step().unwrap());
+            }
+            assert!(most >= 3, "{what}: rows overlapped (at most {most} at once)");
+            let mut proposed = 0;
+            for (i, request) in requests.iter().enumerate() {
+                let plain = &plain[i];
+                // Alone: a batch of one, with a method of the same kind.
+                let mut solo = model.fresh_caches().unwrap();
+                let solo_tokens = match method(i) {
+                    None => {
+                        generate(model.as_ref(), &mut solo, request, |_| Flow::Continue)
+                            .unwrap()
+                            .tokens
+                    }
+                    Some(mut m) => {
+                        engine::batch::speculate(
+                            model.as_ref(),
+                            &mut solo,
+                            &[],
+                            request,
+                            m.as_mut(),
+                            length(i),
+                            |_| Flow::Continue,
+                        )
+                        .unwrap()
+                        .0
+                        .tokens
+                    }
+                };
+                let f = &finished[&(i as RowId)];
+                assert_eq!(streamed[&(i as RowId)], solo_tokens, "{what}: row {i} streamed");
+                assert_eq!(&f.generation.tokens, plain, "{what}: row {i} = plain decoding");
+                assert_eq!(&solo_tokens, plain, "{what}: row {i} alone = plain decoding");
+                assert_eq!(f.spec.is_some(), kinds[i] != Drafts::Plainly, "{what}: row {i}");
+                proposed += f.spec.as_ref().map_or(0, |s| s.proposed);
+                if kinds[i] == Drafts::ByDrafter {
+                    // Forced drafts keep every count; a greedy draft model of the target keeps
+                    // most of a greedy reply.
+                    let spec = f.spec.as_ref().unwrap();
+                    let forced = !drafter.ports().is_empty();
+                    assert!(spec.accepted > 0 || (sampled && !forced), "{what}: row {i} {spec:?}");
+                    assert!(!forced || spec.accepted < spec.proposed, "{what}: row {i} {spec:?}");
+                }
+                for (layer, (ours, theirs)) in f.caches.iter().zip(&solo).enumerate() {
+                    assert_eq!(ours.signature(), theirs.signature(), "{what}: row {i} {layer}");
+                    let (a, b) = (ours.state().unwrap(), theirs.state().unwrap());
+                    assert_eq!(a.metadata, b.metadata, "{what}: row {i} layer {layer}");
+                    for (t, tensor) in &a.tensors {
+                        let d = test_support::max_diff(tensor, &b.tensors[t]);
+                        assert_eq!(d, 0.0, "{what}: row {i} layer {layer} {t}");
+                    }
+                }
+            }
+            assert!(proposed > 0, "{what}: drafts were verified");
+        }
+    }
 }
 
 /// Turns that arrive together ([`TurnBatch::join_all`]) and start fresh prefill as one padded
@@ -532,5 +749,171 @@ fn turns_that_arrive_together_prefill_as_a_cohort_and_equal_each_alone() {
         let (a, b) = (got.checkpoint.as_ref().unwrap(), want.checkpoint.as_ref().unwrap());
         assert_eq!(a.tokens, b.tokens, "turn {i}: the checkpoint's boundary");
         assert_eq!(a.file.sha256, b.file.sha256, "turn {i}: the checkpoint's bytes");
+    }
+}
+
+/// A row of [`random_joins_leaves_drafts_and_keeps_leave_every_row_as_alone`].
+#[derive(Debug, Clone)]
+struct RandomRow {
+    join: usize,
+    prompt: usize,
+    max_tokens: usize,
+    /// 0: plainly; 1: prompt lookup; 2: the assistant, its drafts forced to `schedule`.
+    method: u8,
+    draft: DraftLengthArg,
+    schedule: Vec<usize>,
+    sampled: bool,
+    /// Cancelled after this many steps in the batch, if it is still there.
+    cancel: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct DraftLengthArg(usize, bool);
+
+fn random_row() -> impl Strategy<Value = RandomRow> {
+    (
+        0usize..5,
+        2usize..30,
+        1usize..14,
+        0u8..3,
+        (1usize..6, any::<bool>()),
+        prop::collection::vec(0usize..6, 1..5),
+        any::<bool>(),
+        prop::option::weighted(0.3, 1usize..8),
+    )
+        .prop_map(
+            |(join, prompt, max_tokens, method, (max, adaptive), schedule, sampled, cancel)| {
+                RandomRow {
+                    join,
+                    prompt,
+                    max_tokens,
+                    method,
+                    draft: DraftLengthArg(max, adaptive),
+                    schedule,
+                    sampled,
+                    cancel,
+                }
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Rows joining and leaving (ending, or cancelled) at random steps of one batch that
+    /// verifies, decoding plainly or drafting (prompt lookup; the assistant, its drafts forced
+    /// right or wrong so that each round keeps the count a random schedule asks), with random
+    /// draft lengths: every row streams, and leaves holding bit for bit, what it would alone
+    /// (a batch of one stopped where the row was).
+    #[test]
+    fn random_joins_leaves_drafts_and_keeps_leave_every_row_as_alone(
+        rows in prop::collection::vec(random_row(), 2..5)
+    ) {
+        use engine::speculative::DraftLength;
+        let model = load("assistant/target");
+        let drafter = assistant();
+        let text = repeating_prompt();
+        let request = |r: &RandomRow, i: usize| {
+            let mut request = GenerateRequest::new(text[..r.prompt.min(text.len())].to_vec(), r.max_tokens);
+            if r.sampled {
+                request.sampling =
+                    SamplingParams { temperature: 0.9, seed: 11 + i as u64, ..SamplingParams::default() };
+            }
+            request
+        };
+        let plain: Vec<Vec<u32>> = rows.iter().enumerate().map(|(i, r)| alone(model.as_ref(), &request(r, i)).0).collect();
+        let method = |r: &RandomRow, i: usize| -> Option<Box<dyn DraftMethod>> {
+            match r.method {
+                0 => None,
+                1 => Some(Box::new(PromptLookup::default())),
+                _ => Some(Box::new(Forced {
+                    inner: drafter.fork(),
+                    reply: plain[i].clone(),
+                    prompt: r.prompt.min(text.len()),
+                    schedule: r.schedule.clone(),
+                    rounds: 0,
+                })),
+            }
+        };
+        let length = |r: &RandomRow| DraftLength { max: r.draft.0, adaptive: r.draft.1 };
+        let mut batch = Batch::verifying(model.as_ref());
+        let mut streamed: BTreeMap<RowId, Vec<u32>> = BTreeMap::new();
+        let mut finished: BTreeMap<RowId, Finished> = BTreeMap::new();
+        let record = |events: Vec<BatchEvent>,
+                      streamed: &mut BTreeMap<RowId, Vec<u32>>,
+                      finished: &mut BTreeMap<RowId, Finished>| {
+            for event in events {
+                match event {
+                    BatchEvent::Token { id, token } => streamed.entry(id).or_default().push(token),
+                    BatchEvent::Finished(f) => assert!(finished.insert(f.id, f).is_none()),
+                }
+            }
+        };
+        let mut steps_in: BTreeMap<RowId, usize> = BTreeMap::new();
+        let mut cancelled = Vec::new();
+        for step in 0.. {
+            for (i, r) in rows.iter().enumerate().filter(|(_, r)| r.join == step) {
+                let (id, caches) = (i as RowId, model.fresh_caches().unwrap());
+                let events = match method(r, i) {
+                    None => batch.join(id, caches, &request(r, i)),
+                    Some(m) => batch.join_drafting(id, caches, &request(r, i), &[], m, length(r)),
+                };
+                record(events.unwrap(), &mut streamed, &mut finished);
+            }
+            if batch.is_empty() && step > 5 {
+                break;
+            }
+            record(batch.step().unwrap(), &mut streamed, &mut finished);
+            for id in batch.ids() {
+                let steps = steps_in.entry(id).or_default();
+                *steps += 1;
+                if rows[id as usize].cancel == Some(*steps) {
+                    let f = batch.cancel(id).unwrap().unwrap();
+                    cancelled.push(id);
+                    assert!(finished.insert(id, f).is_none());
+                }
+            }
+        }
+        for (i, r) in rows.iter().enumerate() {
+            let id = i as RowId;
+            let mut f = finished.remove(&id).unwrap();
+            let got = &streamed[&id];
+            prop_assert_eq!(&f.generation.tokens, got, "row {} streamed what it generated", i);
+            // Alone, stopped where the row was.
+            let stop_at = if cancelled.contains(&id) { got.len() } else { usize::MAX };
+            let mut seen = 0;
+            let on_token = |_| {
+                seen += 1;
+                if seen >= stop_at { Flow::Stop } else { Flow::Continue }
+            };
+            let mut solo = model.fresh_caches().unwrap();
+            let solo_tokens = match method(r, i) {
+                None => generate(model.as_ref(), &mut solo, &request(r, i), on_token).unwrap().tokens,
+                Some(mut m) => {
+                    engine::batch::speculate(model.as_ref(), &mut solo, &[], &request(r, i), m.as_mut(), length(r), on_token)
+                        .unwrap()
+                        .0
+                        .tokens
+                }
+            };
+            prop_assert_eq!(got, &solo_tokens, "row {} tokens", i);
+            prop_assert_eq!(&plain[i][..got.len()], &got[..], "row {} = plain decoding", i);
+            for (layer, (ours, theirs)) in f.caches.iter_mut().zip(solo.iter_mut()).enumerate() {
+                // A row stopped by its caller holds its last token when a pass had appended it
+                // before it was read (a pipelined step), alone as in a batch; which step read
+                // it may differ. What both hold is the same.
+                if cancelled.contains(&id) {
+                    let (a, b) = (ours.offset(), theirs.offset());
+                    prop_assert!(a.abs_diff(b) <= 1, "row {} layer {}: {} and {}", i, layer, a, b);
+                    if a > b { ours.trim(1).unwrap(); }
+                    if b > a { theirs.trim(1).unwrap(); }
+                }
+                let (a, b) = (ours.state().unwrap(), theirs.state().unwrap());
+                prop_assert_eq!(&a.metadata, &b.metadata, "row {} layer {}", i, layer);
+                for (t, tensor) in &a.tensors {
+                    prop_assert_eq!(test_support::max_diff(tensor, &b.tensors[t]), 0.0, "row {} layer {} {}", i, layer, t);
+                }
+            }
+        }
     }
 }

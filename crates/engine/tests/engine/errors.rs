@@ -5,7 +5,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use engine::Error;
-use engine::generate::{Flow, GenerateRequest, generate};
+use engine::batch::generate;
+use engine::generate::{Flow, GenerateRequest};
 use mlx::Array;
 use serde_json::Value;
 

@@ -9,7 +9,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use engine::LoadOptions;
-use engine::generate::{Flow, GenerateRequest, generate, prefill_multimodal};
+use engine::batch::generate;
+use engine::generate::{Flow, GenerateRequest, prefill_multimodal};
 use engine::messages::Message;
 use engine::models::gemma3::processor::expand_text;
 use engine::models::{Model, Phase, Rows};

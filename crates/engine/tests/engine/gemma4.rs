@@ -6,7 +6,8 @@
 use std::path::{Path, PathBuf};
 
 use engine::LoadOptions;
-use engine::generate::{Flow, GenerateRequest, generate};
+use engine::batch::generate;
+use engine::generate::{Flow, GenerateRequest};
 use engine::models::{Model, Phase};
 use engine::tokens::ids as token_array;
 use mlx::{Array, ops};

@@ -3,8 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
+use engine::batch::generate;
 use engine::cache::Cache;
-use engine::generate::{Flow, GenerateRequest, generate};
+use engine::generate::{Flow, GenerateRequest};
 use engine::kv_file::{self, Identity};
 use engine::models::Model;
 
@@ -16,7 +17,12 @@ fn identity() -> Identity {
     Identity { model_id: "dense".into(), config_hash: "c0ffee".into() }
 }
 
-fn greedy(model: &dyn Model, caches: &mut [Box<dyn Cache>], prompt: &[u32], n: usize) -> Vec<u32> {
+fn greedy(
+    model: &dyn Model,
+    caches: &mut Vec<Box<dyn Cache>>,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<u32> {
     generate(model, caches, &GenerateRequest::new(prompt.to_vec(), n), |_| Flow::Continue)
         .unwrap()
         .tokens

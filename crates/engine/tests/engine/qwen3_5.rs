@@ -5,13 +5,14 @@
 
 use std::path::PathBuf;
 
-use engine::generate::{Flow, GenerateRequest, generate, prefill_multimodal};
+use engine::batch::generate;
+use engine::generate::{Flow, GenerateRequest, prefill_multimodal};
 use engine::models::qwen3_5::Qwen35Text;
 use engine::models::{Model, Phase, Rows};
 use engine::sampling::SamplingParams;
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
-use engine::speculative::{self, DraftLength, DraftMethod, Speculation};
+use engine::speculative::{DraftLength, DraftMethod, Speculation};
 use engine::turn::{ChatModel, Drafters, Joined, Prompt, ResumeCandidate, Turn, TurnBatch};
 
 use super::gemma4::{check_checkpoint, full_logits, golden_at, max_diff};
@@ -99,7 +100,7 @@ fn speculation_on_hybrid_models_gives_the_plain_tokens() {
             for (name, mut method) in methods(target) {
                 let mut caches = model.fresh_caches().unwrap();
                 let length = DraftLength { max: 4, adaptive: false };
-                let (got, spec) = speculative::generate(
+                let (got, spec) = engine::batch::speculate(
                     model.as_ref(),
                     &mut caches,
                     &[],
@@ -132,7 +133,7 @@ fn a_hybrid_draft_equal_to_the_target_is_always_accepted() {
     let mut method = DraftModel::new(load("dense"));
     let mut caches = model.fresh_caches().unwrap();
     let length = DraftLength { max: 4, adaptive: false };
-    let (got, spec) = speculative::generate(
+    let (got, spec) = engine::batch::speculate(
         model.as_ref(),
         &mut caches,
         &[],
@@ -320,8 +321,8 @@ impl DraftMethod for Oracle {
         self.accepted.push(accepted);
         self.inner.settle(target, accepted)
     }
-    fn release(&mut self, target: &dyn Model) {
-        self.inner.release(target);
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        unreachable!("an oracle drafts for one generation")
     }
 }
 
@@ -352,7 +353,7 @@ fn the_mtp_head_drafts_what_mlx_vlm_drafts_every_round() {
     let request = GenerateRequest::new(list("prompt"), greedy.len() + 1);
     let mut caches = model.fresh_caches().unwrap();
     let length = DraftLength { max: 3, adaptive: false };
-    let (got, _) = speculative::generate(
+    let (got, _) = engine::batch::speculate(
         model.as_ref(),
         &mut caches,
         &[],

@@ -4,15 +4,16 @@
 
 use std::path::PathBuf;
 
+use engine::batch::generate;
 use engine::cache::{KvFormat, KvLayers, KvOptions};
-use engine::generate::{Flow, GenerateRequest, Generation, StopReason, generate};
+use engine::generate::{Flow, GenerateRequest, Generation, StopReason};
 use engine::models::gemma4::Gemma4Assistant;
 use engine::models::gemma4::processor::preprocess;
 use engine::models::{Model, TargetPort};
 use engine::sampling::SamplingParams;
 use engine::speculative::draft_model::DraftModel;
 use engine::speculative::lookup::PromptLookup;
-use engine::speculative::{self, DraftLength, DraftMethod, SpecStats, Target};
+use engine::speculative::{DraftLength, DraftMethod, SpecStats, Target};
 use engine::vision::image::load_rgb;
 use mlx::{Array, Dtype};
 
@@ -79,9 +80,10 @@ fn speculative_with(
     kv: &KvOptions,
 ) -> (Speculated, usize) {
     let mut caches = caches_with(model, kv);
-    let reply =
-        speculative::generate(model, &mut caches, &[], request, method, length, |_| Flow::Continue)
-            .unwrap();
+    let reply = engine::batch::speculate(model, &mut caches, &[], request, method, length, |_| {
+        Flow::Continue
+    })
+    .unwrap();
     (reply.into(), caches[0].offset())
 }
 
@@ -249,7 +251,7 @@ fn stops_and_budgets_end_a_round_where_plain_decoding_ends() {
     let request = GenerateRequest::new(text_prompt(), 40);
     let mut caches = model.fresh_caches().unwrap();
     let mut seen = 0;
-    let got = speculative::generate(
+    let got = engine::batch::speculate(
         model.as_ref(),
         &mut caches,
         &[],
@@ -327,6 +329,9 @@ impl DraftMethod for NeedsHiddenLayerTaps {
     fn settle(&mut self, _: Target<'_>, _: usize) -> engine::Result<()> {
         unreachable!()
     }
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        unreachable!()
+    }
 }
 
 #[test]
@@ -337,7 +342,7 @@ fn a_target_without_a_port_or_with_another_vocabulary_is_refused_up_front() {
     let refusal = |target: &dyn Model, method: &mut dyn DraftMethod| -> String {
         let mut caches =
             if target.vocab_size() == 512 { model.fresh_caches().unwrap() } else { Vec::new() };
-        let err = speculative::generate(
+        let err = engine::batch::speculate(
             target,
             &mut caches,
             &[],
@@ -407,6 +412,9 @@ impl DraftMethod for Recorded {
     }
     fn settle(&mut self, target: Target<'_>, accepted: usize) -> engine::Result<()> {
         self.inner.settle(target, accepted)
+    }
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        unreachable!("a recording drafts for one generation")
     }
 }
 
@@ -525,6 +533,9 @@ impl DraftMethod for AlwaysWrong {
     fn settle(&mut self, _: Target<'_>, _: usize) -> engine::Result<()> {
         Ok(())
     }
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        Box::new(AlwaysWrong)
+    }
 }
 
 #[test]
@@ -548,7 +559,7 @@ fn failing_drafts_back_off_to_plain_decoding_and_stop_where_it_stops() {
         for stop_at in [7, 30, 61] {
             let mut caches = model.fresh_caches().unwrap();
             let mut seen = 0;
-            let got = speculative::generate(
+            let got = engine::batch::speculate(
                 model.as_ref(),
                 &mut caches,
                 &[],
@@ -580,7 +591,7 @@ fn a_draft_model_computes_only_what_its_caches_lack_across_turns_and_restarts() 
     let length = DraftLength::default();
     let run = |draft: &mut DraftModel, caches: &mut Vec<_>, earlier: &[u32], prompt: Vec<u32>| {
         let request = GenerateRequest::new(prompt, 24);
-        speculative::generate(model.as_ref(), caches, earlier, &request, draft, length, |_| {
+        engine::batch::speculate(model.as_ref(), caches, earlier, &request, draft, length, |_| {
             Flow::Continue
         })
         .map(Speculated::from)

@@ -3,7 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
-use engine::generate::{Flow, GenerateRequest, generate, prefill_multimodal};
+use engine::batch::generate;
+use engine::generate::{Flow, GenerateRequest, prefill_multimodal};
 use engine::models::gemma4::processor::{preprocess, rescale};
 use engine::models::{Model, Phase, Rows};
 use engine::tokens::ids as token_array;

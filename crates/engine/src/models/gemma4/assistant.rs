@@ -13,6 +13,8 @@
 //! position; later rounds take it at the verify row that produced the round's bonus token.
 //! Every draft is greedy (acceptance compares it with the target's own pick).
 
+use std::rc::Rc;
+
 use mlx::{Array, Dtype, ops};
 use serde::Deserialize;
 
@@ -68,9 +70,18 @@ struct MaskedHead {
     top_k: i32,
 }
 
-/// The Gemma 4 assistant as a draft method.
+/// The Gemma 4 assistant as a draft method: its weights, shared by its forks, and the target
+/// hidden state its next round starts from.
 #[derive(Debug)]
 pub struct Gemma4Assistant {
+    w: Rc<Weights>,
+    /// The target hidden state the next round starts from (`[1, 1, H_target]`).
+    hidden: Option<Array>,
+}
+
+/// What an assistant checkpoint loads.
+#[derive(Debug)]
+struct Weights {
     config: AssistantConfig,
     embed_tokens: Embedding,
     lm_head: Option<Linear>,
@@ -82,8 +93,6 @@ pub struct Gemma4Assistant {
     rope_sliding: Rope,
     rope_full: Rope,
     activations: Activations,
-    /// The target hidden state the next round starts from (`[1, 1, H_target]`).
-    hidden: Option<Array>,
     ops: Ops,
 }
 
@@ -180,7 +189,7 @@ impl Gemma4Assistant {
         };
         let rope_sliding = rope_for("sliding_attention", sliding_dims)?;
         let rope_full = rope_for("full_attention", full_dims)?;
-        Ok(Gemma4Assistant {
+        let w = Weights {
             activations: Activations::new()?,
             config,
             embed_tokens,
@@ -192,31 +201,31 @@ impl Gemma4Assistant {
             post_projection,
             rope_sliding,
             rope_full,
-            hidden: None,
             ops,
-        })
+        };
+        Ok(Gemma4Assistant { w: Rc::new(w), hidden: None })
     }
 
     /// Drafts per round the checkpoint was trained for (`block_size − 1`).
     pub fn trained_drafts(&self) -> usize {
-        self.config.block_size.saturating_sub(1).max(1)
+        self.w.config.block_size.saturating_sub(1).max(1)
     }
 
     /// The greedy token for the assistant's normed hidden `h` `[1, 1, H]`, as `[1]` ids.
     fn pick(&self, h: &Array) -> Result<Array> {
-        let Some(head) = &self.masked else {
-            let logits = match &self.lm_head {
-                Some(lm_head) => lm_head.forward(h, &self.ops)?,
-                None => self.embed_tokens.as_linear(h, &self.ops)?,
+        let Some(head) = &self.w.masked else {
+            let logits = match &self.w.lm_head {
+                Some(lm_head) => lm_head.forward(h, &self.w.ops)?,
+                None => self.w.embed_tokens.as_linear(h, &self.w.ops)?,
             };
             return Ok(logits.reshape(&[1, -1])?.argmax(-1, false)?);
         };
         // The top-k clusters by centroid score, their tokens, and those tokens' logits.
-        let scores = head.centroids.forward(h, &self.ops)?.reshape(&[head.clusters])?;
+        let scores = head.centroids.forward(h, &self.w.ops)?.reshape(&[head.clusters])?;
         let kth = head.clusters - head.top_k;
         let top = scores.argpartition(kth, -1)?.slice(&[kth], &[head.clusters], &[1])?;
         let candidates = head.ordering.take(&top, 0)?.reshape(&[-1])?; // [top_k · V/C]
-        let rows = self.embed_tokens.forward(&candidates)?; // [top_k · V/C, H]
+        let rows = self.w.embed_tokens.forward(&candidates)?; // [top_k · V/C, H]
         let width = h.dim(-1)?;
         let logits = h.reshape(&[1, width])?.matmul(&rows.transpose(&[1, 0])?)?;
         let best = logits.argmax(-1, false)?; // [1]
@@ -237,22 +246,22 @@ impl DraftMethod for Gemma4Assistant {
         let rows =
             target.assistant_rows().ok_or_else(|| target_lacks(TargetPort::AssistantRows))?;
         let refuse = |message: String| Err(Error::InvalidRequest(message));
-        if rows.hidden_size() != self.config.backbone_hidden_size as usize {
+        if rows.hidden_size() != self.w.config.backbone_hidden_size as usize {
             return refuse(format!(
                 "the assistant was trained for a target of width {}, this one is {}",
-                self.config.backbone_hidden_size,
+                self.w.config.backbone_hidden_size,
                 rows.hidden_size()
             ));
         }
-        if target.vocab_size() != self.config.text_config.vocab_size as usize {
+        if target.vocab_size() != self.w.config.text_config.vocab_size as usize {
             return refuse(format!(
                 "the assistant's vocabulary of {} tokens is not the target's {}",
-                self.config.text_config.vocab_size,
+                self.w.config.text_config.vocab_size,
                 target.vocab_size()
             ));
         }
         let (sliding, full) = rows.head_dims();
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (i, layer) in self.w.layers.iter().enumerate() {
             let want = if layer.attention.sliding { sliding } else { full };
             if layer.attention.head_dim != want {
                 return refuse(format!(
@@ -274,33 +283,37 @@ impl DraftMethod for Gemma4Assistant {
         Ok(0)
     }
 
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        Box::new(Gemma4Assistant { w: Rc::clone(&self.w), hidden: None })
+    }
+
     fn propose(&mut self, target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>> {
         let rows =
             target.model.assistant_rows().ok_or_else(|| target_lacks(TargetPort::AssistantRows))?;
         let (Some(&bonus), Some(hidden)) = (context.last(), self.hidden.clone()) else {
             return Ok(Vec::new());
         };
-        let held = crate::cache::stack_offset(target.caches);
+        let held = target.offset();
         if max == 0 || held == 0 {
             return Ok(Vec::new());
         }
         // The query stays at the last position the target's caches hold (mlx-vlm's choice).
         let position = Position::at(held as i32 - 1);
-        let donors = rows.donor_reads(target.caches)?;
+        let donors = rows.donor_reads(target.caches, target.row)?;
         let (sliding, full) = (donors.sliding, donors.full);
-        let ops = &self.ops;
+        let ops = &self.w.ops;
         let mut token = Array::from_slice(&[bonus], &[1])?;
         let mut h_prev = hidden;
         let mut drafts = Vec::with_capacity(max);
         for _ in 0..max {
             let embedded = rows.embed(&token.reshape(&[1, 1])?)?;
             let x = ops::concatenate(&[&embedded, &h_prev.astype(embedded.dtype())?], -1)?;
-            let mut h = self.pre_projection.forward(&x, ops)?;
-            for layer in &self.layers {
+            let mut h = self.w.pre_projection.forward(&x, ops)?;
+            for layer in &self.w.layers {
                 let (kv, rope) = if layer.attention.sliding {
-                    (sliding.as_ref(), &self.rope_sliding)
+                    (sliding.as_ref(), &self.w.rope_sliding)
                 } else {
-                    (full.as_ref(), &self.rope_full)
+                    (full.as_ref(), &self.w.rope_full)
                 };
                 let kv = kv.ok_or_else(|| {
                     Error::InvalidRequest(
@@ -317,10 +330,10 @@ impl DraftMethod for Gemma4Assistant {
                     ops,
                 };
                 let (attn, _) = layer.attention.forward(&normed, 1, context)?;
-                (h, _) = layer.finish(h, &attn, None, &self.activations, None, ops)?;
+                (h, _) = layer.finish(h, &attn, None, &self.w.activations, None, ops)?;
             }
-            let h = self.norm.forward(&h)?;
-            h_prev = self.post_projection.forward(&h, ops)?;
+            let h = self.w.norm.forward(&h)?;
+            h_prev = self.w.post_projection.forward(&h, ops)?;
             token = self.pick(&h)?;
             drafts.push(token.clone());
         }
@@ -334,14 +347,10 @@ impl DraftMethod for Gemma4Assistant {
 }
 
 impl Gemma4Assistant {
-    /// Takes the target's final-normed hidden state at row `row` of its last forward pass
-    /// (the last row when `None`).
+    /// Takes the target's final-normed hidden state at row `row` of the row's positions in
+    /// its last forward pass (the last one when `None`).
     fn settle_at(&mut self, target: Target<'_>, row: Option<usize>) -> Result<()> {
-        let rows =
-            target.model.assistant_rows().ok_or_else(|| target_lacks(TargetPort::AssistantRows))?;
-        let hidden = rows.last_hidden().ok_or_else(|| {
-            Error::InvalidRequest("the target has run no forward pass to draft from".into())
-        })?;
+        let (_, hidden) = target.hidden()?;
         let s = hidden.shape();
         let t = s[1];
         let row = row.map_or(t - 1, |r| r as i32);

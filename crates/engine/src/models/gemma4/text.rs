@@ -605,6 +605,10 @@ impl Model for Gemma4Text {
         self.decoder.variant.assistant_port.then_some(self as &dyn AssistantRows)
     }
 
+    fn last_hidden(&self) -> Option<Array> {
+        self.last_hidden.borrow().clone()
+    }
+
     fn eos_token_ids(&self) -> Vec<u32> {
         match &self.decoder.config.eos_token_id {
             Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
@@ -632,7 +636,7 @@ impl AssistantRows for Gemma4Text {
         self.embed_ids(ids)
     }
 
-    fn donor_reads(&self, caches: &[Box<dyn Cache>]) -> Result<DonorReads> {
+    fn donor_reads(&self, caches: &[Box<dyn Cache>], row: usize) -> Result<DonorReads> {
         // The last layer of each type attends its donor's cache (or its own).
         let last_of = |sliding: bool| {
             self.decoder
@@ -642,17 +646,10 @@ impl AssistantRows for Gemma4Text {
                 .map(|i| self.decoder.kv_source[i])
         };
         let read = |layer: Option<usize>| match layer.and_then(|i| caches.get(i)) {
-            Some(cache) => match cache.as_attention() {
-                Some(cache) => cache.donor_read(),
-                None => Ok(None),
-            },
+            Some(cache) => crate::cache::donor_read(cache.as_ref(), row),
             None => Ok(None),
         };
         Ok(DonorReads { sliding: read(last_of(true))?, full: read(last_of(false))? })
-    }
-
-    fn last_hidden(&self) -> Option<Array> {
-        self.last_hidden.borrow().clone()
     }
 }
 

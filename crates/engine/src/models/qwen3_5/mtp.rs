@@ -205,13 +205,13 @@ impl DraftMethod for Qwen35Mtp {
                 port.hidden_size()
             )));
         }
-        port.keep_hidden(true);
         Ok(())
     }
 
     fn start(&mut self, target: Target<'_>, _context: &[u32]) -> Result<usize> {
         // The head catches up when it is first asked to draft, once the bonus is known.
-        self.rows = port(&target)?.take_hidden();
+        let (at, hidden) = target.hidden()?;
+        self.rows = vec![(at, hidden.clone())];
         self.caches.clear();
         self.drafted = None;
         Ok(0)
@@ -219,7 +219,6 @@ impl DraftMethod for Qwen35Mtp {
 
     fn propose(&mut self, target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>> {
         let port = port(&target)?;
-        self.rows.extend(port.take_hidden());
         let Some(bonus_at) = context.len().checked_sub(1) else { return Ok(Vec::new()) };
         if max == 0 || bonus_at == 0 {
             return Ok(Vec::new());
@@ -253,15 +252,26 @@ impl DraftMethod for Qwen35Mtp {
         Ok(drafts)
     }
 
-    fn release(&mut self, target: &dyn crate::models::Model) {
-        if let Some(port) = target.recurrent_mtp() {
-            port.keep_hidden(false);
-        }
-        self.rows.clear();
+    fn fork(&self) -> Box<dyn DraftMethod> {
+        Box::new(Qwen35Mtp {
+            fc: self.fc.clone(),
+            pre_fc_norm_embedding: self.pre_fc_norm_embedding.clone(),
+            pre_fc_norm_hidden: self.pre_fc_norm_hidden.clone(),
+            norm: self.norm.clone(),
+            layers: self.layers.clone(),
+            ops: self.ops.clone(),
+            hidden_size: self.hidden_size,
+            caches: Vec::new(),
+            base: 0,
+            rows: Vec::new(),
+            drafted: None,
+        })
     }
 
     fn settle(&mut self, target: Target<'_>, accepted: usize) -> Result<()> {
-        self.rows.extend(port(&target)?.take_hidden());
+        let (at, hidden) = target.hidden()?;
+        // A later pass over the same positions (after a rollback) supersedes.
+        self.rows.push((at, hidden.clone()));
         if let Some(drafted) = self.drafted.take() {
             let drop = drafted - accepted.min(drafted);
             for cache in &mut self.caches {

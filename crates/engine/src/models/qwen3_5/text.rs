@@ -136,9 +136,8 @@ pub struct Qwen35Text {
     norm: RmsNorm,
     lm_head: Option<Linear>,
     ops: Ops,
-    /// The final-normed hidden rows of every forward pass since a drafter last took them, each
-    /// with its first row's position, while one keeps them (`None`: not kept).
-    kept_hidden: RefCell<Option<Vec<(usize, Array)>>>,
+    /// The final-normed hidden rows of the last forward pass ([`Model::last_hidden`]).
+    last_hidden: RefCell<Option<Array>>,
     /// The vision tower with its preprocessing, on a checkpoint that has one. Its caches then
     /// end with a [`PositionCache`] (where positions stand after the images).
     images: Option<QwenImages>,
@@ -185,7 +184,7 @@ impl Qwen35Text {
             lm_head,
             ops,
             config,
-            kept_hidden: RefCell::new(None),
+            last_hidden: RefCell::new(None),
             images,
         })
     }
@@ -264,27 +263,16 @@ impl Qwen35Text {
         rows: Rows,
     ) -> Result<Array> {
         let ops = &self.ops;
-        let position = crate::cache::stack_offset(caches);
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             h = layer.forward(i, &h, cache.as_mut(), append, rope_at, ops)?;
-        }
-        // Passes that return every row (decode steps, verify windows, a prompt's last token)
-        // keep them for a multi-token-prediction head; prefill chunks, which return only
-        // their last row, keep none (the head starts from the prompt's last token).
-        let kept = rows == Rows::All && self.kept_hidden.borrow().is_some();
-        if kept {
-            // The norm is row by row: norming every row, then slicing, is the same.
-            let normed = self.norm.forward(&h)?;
-            if let Some(rows) = self.kept_hidden.borrow_mut().as_mut() {
-                rows.push((position, normed.clone()));
-            }
-            h = normed;
         }
         if rows == Rows::Last && h.dim(1)? > 1 {
             let s = h.shape();
             h = h.slice(&[0, s[1] - 1, 0], &s, &[1, 1, 1])?;
         }
-        let h = if kept { h } else { self.norm.forward(&h)? };
+        let h = self.norm.forward(&h)?;
+        // Kept for a multi-token-prediction head, which reads the rows it returns.
+        *self.last_hidden.borrow_mut() = Some(h.clone());
         self.head(&h)
     }
 
@@ -519,6 +507,10 @@ impl Model for Qwen35Text {
         Some(self)
     }
 
+    fn last_hidden(&self) -> Option<Array> {
+        self.last_hidden.borrow().clone()
+    }
+
     fn eos_token_ids(&self) -> Vec<u32> {
         match &self.config.eos_token_id {
             Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
@@ -541,13 +533,5 @@ impl RecurrentMtpRows for Qwen35Text {
 
     fn logits(&self, hidden: &Array) -> Result<Array> {
         self.head(hidden)
-    }
-
-    fn keep_hidden(&self, on: bool) {
-        *self.kept_hidden.borrow_mut() = on.then(Vec::new);
-    }
-
-    fn take_hidden(&self) -> Vec<(usize, Array)> {
-        self.kept_hidden.borrow_mut().as_mut().map(std::mem::take).unwrap_or_default()
     }
 }
