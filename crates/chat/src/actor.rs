@@ -1,14 +1,13 @@
 //! The engine actor: one thread owns the model and every MLX array (MLX streams belong to the
 //! thread that made them); the rest of the app sends it commands and receives events. A reply
 //! is one [`engine::turn::Turn`], and every reply is a row of one [`TurnBatch`] (each joins
-//! after its own prefill and leaves when it ends; each reply that drafts does so with a
-//! drafter of its own), so a second conversation streams while the first does; a reply that
-//! drafts when the batch's rows do not (or the other way round), or one with another KV
-//! storage than the batch's, starts the next batch once this one has emptied.
+//! after its own prefill and leaves when it ends, whatever it drafts with and whatever KV
+//! storage its chat chose; each reply that drafts does so with a drafter of its own), so a
+//! second conversation streams while the first does.
 //!
 //! A reply never waits unseen and is never dropped for another: one that must wait (its KV
-//! cache fits the memory limit only once replies decoding have ended, or it decodes alone
-//! after the batch) is told so ([`ReplyEvent::Queued`]) and runs when its turn comes, in the
+//! cache fits the memory limit only once replies decoding have ended, or a command sent before
+//! it, a model load, waits for them) is told so ([`ReplyEvent::Queued`]) and runs when its turn comes, in the
 //! order the replies came; one stopped while it waits ends without running
 //! ([`ReplyEvent::StoppedWaiting`]).
 
@@ -310,13 +309,12 @@ impl Pending {
     }
 }
 
-/// Answers `first` and every reply that can decode with it ([`TurnBatch::takes`]) as they
-/// come, together in one [`TurnBatch`], until none is left. Each joins after its own prefill
-/// and leaves when it ends or is stopped; one whose KV cache fits only once others end waits
-/// in line, and replies after it wait behind it. Checks are answered between steps; any other
-/// command (a load, a reply that decodes alone, shutdown) waits in `deferred` until the batch
-/// is empty, and every command after it waits too, so commands still take effect in the order
-/// they were sent.
+/// Answers `first` and every reply that comes while it runs, together in one [`TurnBatch`],
+/// until none is left. Each joins after its own prefill and leaves when it ends or is
+/// stopped; one whose KV cache fits only once others end waits in line, and replies after it
+/// wait behind it. Checks are answered between steps; any other command (a load, shutdown)
+/// waits in `deferred` until the batch is empty, and every command after it waits too, so
+/// commands still take effect in the order they were sent.
 fn serve_together(
     chat: &ChatModel,
     drafters: &mut Drafters,
@@ -332,10 +330,8 @@ fn serve_together(
         next: 0,
     };
     together.arrive(first);
-    // Replies that waited behind the batch's first and can decode with it join now.
-    while let Some(Command::Reply { turn, .. }) = deferred.front()
-        && together.batch.takes(turn)
-    {
+    // Replies that waited behind the batch's first join now.
+    while let Some(Command::Reply { .. }) = deferred.front() {
         if let Some(Command::Reply { turn, events, cancel }) = deferred.pop_front() {
             together.arrive(Pending::new(turn, events, cancel));
         }
@@ -355,7 +351,7 @@ fn serve_together(
                 together.arrive_all(std::mem::take(&mut arrivals));
             }
             match command {
-                Command::Reply { turn, events, cancel } if together.batch.takes(&turn) => {
+                Command::Reply { turn, events, cancel } => {
                     let pending = Pending::new(turn, events, cancel);
                     match plain(&pending.turn) {
                         true => arrivals.push(pending),

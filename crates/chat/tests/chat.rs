@@ -968,28 +968,105 @@ async fn two_conversations_that_draft_stream_at_once_with_the_plain_replies() {
     assert!(!log.contains(&(b, "queued")), "the second joined at once: {log:?}");
 }
 
-/// A reply whose chat keeps its KV cache in another storage than the replies decoding waits
-/// for them to end (its rows could not share their layers), then runs: it is never refused.
+/// Two conversations reply at the same time where one drafts with a drafter reading the
+/// target's own state: on Qwen3.5 (gated DeltaNet rows) with its MTP head, and on the Gemma 4
+/// assistant pair with the assistant, raw token turns (the tiny checkpoints have no
+/// tokenizer). The drafting reply joins the batch of the one streaming (it is not queued and
+/// ends first, the other still running), and each reply is the one it is alone.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_reply_of_another_kv_storage_waits_for_the_batch_and_runs() {
+async fn replies_that_draft_with_the_targets_own_state_stream_at_once_with_others() {
+    use chat::view::Speculation;
+    let golden = root().join("tests/golden");
+    for (target, drafter) in
+        [("qwen3_5/dense", "qwen3_5/mtp"), ("assistant/target", "assistant/assistant")]
+    {
+        let (target, drafter) = (golden.join(target), golden.join(drafter));
+        let dir = tempfile::tempdir().unwrap();
+        let chat = Chat::open(&dir.path().join("data")).await.unwrap().with_hf_cache(None);
+        chat.load_model(&target, |_| {}).await.unwrap();
+        let drafting = Speculation::Assistant { model: drafter.to_path_buf() };
+        let conversation = |speculation: Speculation, max_tokens: u32| {
+            let chat = chat.clone();
+            async move {
+                let c = chat.create_conversation().await.unwrap().id;
+                chat.set_raw_options(c, true, true).await.unwrap();
+                chat.set_settings(c, &Settings { speculation, ..greedy(max_tokens) })
+                    .await
+                    .unwrap();
+                c
+            }
+        };
+        let (long, short): (Vec<u32>, Vec<u32>) = (
+            (3..40).map(|i| i * 7 % 400 + 3).collect(),
+            (5..20).map(|i| i * 13 % 400 + 3).collect(),
+        );
+        let c = conversation(Speculation::Off, 160).await;
+        let want_long = chat.send_tokens(c, &long, |_| {}).await.unwrap().content;
+        let c = conversation(drafting.clone(), 12).await;
+        let want_short = chat.send_tokens(c, &short, |_| {}).await.unwrap();
+
+        let (a, b) = (conversation(Speculation::Off, 160).await, conversation(drafting, 12).await);
+        let log = StreamLog::default();
+        let started = Arc::new(AtomicUsize::new(0));
+        let task = {
+            let (chat, long, started, mut on) =
+                (chat.clone(), long.clone(), started.clone(), log.recorder(a));
+            tokio::spawn(async move {
+                chat.send_tokens(a, &long, move |e| {
+                    if matches!(e, StreamEvent::Started { .. }) {
+                        started.fetch_add(1, Ordering::SeqCst);
+                    }
+                    on(e)
+                })
+                .await
+            })
+        };
+        while started.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let got_short = chat.send_tokens(b, &short, log.recorder(b)).await.unwrap();
+        let got_long = task.await.unwrap().unwrap();
+        assert_eq!(got_short.content, want_short.content, "{target:?}: the drafting reply");
+        assert_eq!(got_long.content, want_long, "{target:?}: the plain reply");
+        let spec = got_short.stats.unwrap().spec.unwrap();
+        assert!(spec.proposed > 0, "{target:?}: {spec:?}");
+        let log = log.events();
+        assert!(!log.contains(&(b, "queued")), "{target:?}: the drafting reply joined: {log:?}");
+        let a_done = log.iter().position(|&e| e == (a, "done")).unwrap();
+        let b_done = log.iter().position(|&e| e == (b, "done")).unwrap();
+        assert!(b_done < a_done, "{target:?}: it ended while the other ran: {log:?}");
+        chat.shutdown();
+    }
+}
+
+/// A reply whose chat keeps its KV cache in another storage than the replies decoding (4-bit
+/// beside full precision) joins their batch at once, each row in its own storage, and is the
+/// reply it is alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_of_another_kv_storage_joins_the_batch_and_is_its_own() {
     let f = fixture();
     let (chat, a) = ready(&f, 16).await;
-    let b = chat.create_conversation().await.unwrap().id;
     let four_bit = engine::cache::KvOptions {
         format: engine::cache::KvFormat::Affine { bits: 4, group_size: 64 },
         ..Default::default()
     };
-    chat.set_settings(b, &Settings { kv: four_bit, ..greedy(4) }).await.unwrap();
+    let alone = chat.create_conversation().await.unwrap().id;
+    chat.set_settings(alone, &Settings { kv: four_bit, ..greedy(6) }).await.unwrap();
+    let want = send(&chat, alone, "What is a quince?", &[]).await.0.unwrap().content;
+    let b = chat.create_conversation().await.unwrap().id;
+    chat.set_settings(b, &Settings { kv: four_bit, ..greedy(6) }).await.unwrap();
     let log = StreamLog::default();
     let (first, second) =
         send_overlapping(&chat, &log, (a, "Tell me about the sea."), (b, "What is a quince?"))
             .await;
     assert_eq!(second.state, MessageState::Complete);
+    assert_eq!(second.content, want, "b is its own reply");
     let storage = second.stats.unwrap().kv_storage;
     assert!(storage.contains("affine(bits=4"), "b ran on its own storage: {storage}");
     assert_eq!(first.state, MessageState::Complete);
     let log = log.events();
-    let a_last = log.iter().rposition(|&e| e == (a, "text")).unwrap();
-    let b_first = log.iter().position(|&e| e == (b, "text")).unwrap();
-    assert!(a_last < b_first, "b waited for a to end: {log:?}");
+    assert!(!log.contains(&(b, "queued")), "b joined at once: {log:?}");
+    let a_done = log.iter().position(|&e| e == (a, "done"));
+    let b_text = log.iter().position(|&e| e == (b, "text")).unwrap();
+    assert!(a_done.is_none_or(|done| b_text < done), "the replies overlapped: {log:?}");
 }

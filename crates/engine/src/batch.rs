@@ -6,28 +6,31 @@
 //! never stalls the rows already decoding for more than its own prefill. Requests that arrive
 //! together and start fresh prefill as one padded cohort instead ([`Batch::join_together`],
 //! [`crate::cache::Cohort`]). From then on every [`Batch::step`] appends each row's next token
-//! in one batched pass: each layer's state is a batch of rows of its storage
+//! in one batched pass: each layer's state is a batch of rows
 //! ([`crate::cache::BatchRows`], made by [`crate::cache::Cache::empty_rows`]): full-precision
 //! keys and values in [`crate::cache::SlotRows`], one buffer per part shared by every row, each
-//! row in the slots its own storage would use (encoded keys and values, and rows that verify
-//! drafts, in [`crate::cache::CacheRows`], each row in its own storage); gated DeltaNet state in
-//! [`crate::cache::RecurrentRows`], one recurrence for every row; a multimodal-RoPE model's
-//! position shifts in [`crate::cache::PositionRows`]. The model rotates each row at its own
-//! position ([`crate::cache::Cache::row_offsets`]). A lone row runs the model's compiled step.
-//! Steps are pipelined: a pass is built on the tokens the last one sampled before they are
-//! read, unless a row's penalties read them first or one drafts this step. Each row samples
-//! its own logits with its own [`Sampler`] (seed, temperature, penalties, output grammar),
-//! stops on its own stop tokens and token budget, and leaves the batch when it ends or is
-//! cancelled ([`Batch::cancel`]), taking its caches with it as ordinary single-sequence
-//! caches, ready to checkpoint.
+//! row in the slots its own storage would use, while every row decodes plainly in one storage;
+//! else (a row drafts, or rows keep their keys and values in different storages: full
+//! precision beside 4-bit, TurboQuant, …) each row in its own storage, in
+//! [`crate::cache::CacheRows`], which resolves a round per row; rows move between the two as
+//! they join and leave. Gated DeltaNet state sits in [`crate::cache::RecurrentRows`], one
+//! recurrence for every row, and a multimodal-RoPE model's position shifts in
+//! [`crate::cache::PositionRows`]. The model rotates each row at its own position
+//! ([`crate::cache::Cache::row_offsets`]). A lone row runs the model's compiled step. Steps
+//! are pipelined: a pass is built on the tokens the last one sampled before they are read,
+//! unless a row's penalties read them first or one drafts this step. Each row samples its own
+//! logits with its own [`Sampler`] (seed, temperature, penalties, output grammar), stops on
+//! its own stop tokens and token budget, and leaves the batch when it ends or is cancelled
+//! ([`Batch::cancel`]), taking its caches with it as ordinary single-sequence caches, ready
+//! to checkpoint.
 //!
-//! In a batch that verifies ([`Batch::verifying`]) rows draft with methods of their own
-//! (prompt lookup, a draft model, a drafter reading the target's own state: Gemma 4's
-//! assistant, Qwen3.5's MTP head, each reading its row of the batch, [`Target`]); a step in
-//! which one drafts verifies every row's drafts in one window pass, each row picking its
-//! tokens with its own sampler and keeping its own count ([`crate::cache::BatchRows::rollback_rows`]),
-//! as mlx-vlm's rule makes speculative output equal plain output (greedy, or sampled at the
-//! same seed: `speculative` module docs).
+//! Rows draft with methods of their own ([`Batch::join_drafting`]: prompt lookup, a draft
+//! model, a drafter reading the target's own state: Gemma 4's assistant, Qwen3.5's MTP head,
+//! each reading its row of the batch, [`Target`]); a step in which one drafts verifies every
+//! row's drafts in one window pass, each row picking its tokens with its own sampler and
+//! keeping its own count ([`crate::cache::BatchRows::rollback_rows`]), as mlx-vlm's rule makes
+//! speculative output equal plain output (greedy, or sampled at the same seed: `speculative`
+//! module docs).
 //!
 //! What a row generates does not depend on the other rows: the engine's tests hold batched
 //! greedy and seeded sampling to the same requests run alone, token for token, and a row's
@@ -142,6 +145,8 @@ struct Row<'m> {
     /// while the last emitted token is not appended yet.
     ahead: Option<Array>,
     drafting: Option<Drafting<'m>>,
+    /// Its caches' storages, layer by layer, as it joined.
+    storage: Vec<String>,
 }
 
 impl<'m> Row<'m> {
@@ -254,28 +259,17 @@ pub struct Batch<'m> {
     /// One batch of rows per cache layer (empty before the first row joins).
     layers: Vec<Box<dyn Cache>>,
     rows: Vec<Row<'m>>,
-    /// Whether rows verify drafts (steps append windows, each row keeps its own count).
+    /// The layout the layers keep their rows in: shared buffers while every row decodes
+    /// plainly in one storage ([`Rounds::No`]), else each row in its own storage, which
+    /// resolves a round per row ([`Rounds::PerRow`]: a row drafts, or rows keep their keys and
+    /// values in different storages). Rows move between them as they join and leave.
     rounds: Rounds,
 }
 
 impl<'m> Batch<'m> {
-    /// An empty batch over `model` whose rows decode one token a step.
+    /// An empty batch over `model`.
     pub fn new(model: &'m dyn Model) -> Batch<'m> {
         Batch { model, layers: Vec::new(), rows: Vec::new(), rounds: Rounds::No }
-    }
-
-    /// An empty batch over `model` whose rows may draft ([`Batch::join_drafting`]): a step
-    /// verifies every row's drafts in one window pass and each row keeps what it accepted.
-    /// Its rows keep their keys and values each in its own storage (which resolves a round per
-    /// row), and their steps are not pipelined. A model with state that takes no rounds per
-    /// row (a multimodal-RoPE model's position shifts) is refused at the first join.
-    pub fn verifying(model: &'m dyn Model) -> Batch<'m> {
-        Batch { model, layers: Vec::new(), rows: Vec::new(), rounds: Rounds::PerRow }
-    }
-
-    /// Whether rows of this batch may draft.
-    pub fn verifies(&self) -> bool {
-        self.rounds == Rounds::PerRow
     }
 
     /// Rows decoding now.
@@ -319,7 +313,7 @@ impl<'m> Batch<'m> {
     }
 
     /// [`Batch::join`] for a row that drafts with `method` (its own: a fork of a drafter, see
-    /// [`DraftMethod::fork`]), in a batch that verifies ([`Batch::verifying`]): each step the
+    /// [`DraftMethod::fork`]): each step the
     /// method proposes what follows the row's conversation (`earlier`, the tokens `caches` held
     /// before the prompt, then the prompt and the reply so far), as many as `length` allows,
     /// and the row keeps the drafts its own picks confirm: the same tokens as decoding
@@ -348,11 +342,6 @@ impl<'m> Batch<'m> {
         mut method: Method<'m>,
         length: DraftLength,
     ) -> Result<Vec<BatchEvent>> {
-        if self.rounds != Rounds::PerRow {
-            return Err(Error::InvalidRequest(
-                "a row that drafts joins a batch that verifies (Batch::verifying)".into(),
-            ));
-        }
         if length.max == 0 {
             return Err(Error::InvalidRequest(
                 "a speculative round drafts at least one token".into(),
@@ -442,21 +431,64 @@ impl<'m> Batch<'m> {
             first_at: started,
             ahead: None,
             drafting,
+            storage: Vec::new(),
         }
     }
 
-    /// `row` decodes with the others from the next step, its caches merged into the layers.
-    fn enter(&mut self, row: Row<'m>, caches: Vec<Box<dyn Cache>>) -> Result<()> {
-        if self.layers.is_empty() {
-            self.layers = caches
-                .iter()
-                .map(|c| c.empty_rows(self.rounds).ok_or_else(|| unbatched(c.as_ref())))
-                .collect::<Result<_>>()?;
-        }
-        for (layer, cache) in self.layers.iter_mut().zip(caches) {
-            rows_of(layer.as_mut())?.merge_row(cache)?;
-        }
+    /// `row` decodes with the others from the next step, its caches merged into the layers
+    /// (moved to the layout the rows need with it first).
+    fn enter(&mut self, mut row: Row<'m>, caches: Vec<Box<dyn Cache>>) -> Result<()> {
+        row.storage = caches.iter().map(|c| c.signature()).collect();
         self.rows.push(row);
+        let rounds = self.rounds_needed();
+        let merged = self.relayout(rounds).and_then(|()| {
+            if self.layers.is_empty() {
+                self.layers = caches
+                    .iter()
+                    .map(|c| c.empty_rows(self.rounds).ok_or_else(|| unbatched(c.as_ref())))
+                    .collect::<Result<_>>()?;
+            }
+            for (layer, cache) in self.layers.iter_mut().zip(caches) {
+                rows_of(layer.as_mut())?.merge_row(cache)?;
+            }
+            Ok(())
+        });
+        if merged.is_err() {
+            self.rows.pop();
+        }
+        merged
+    }
+
+    /// The layout the rows need ([`Batch::rounds`]).
+    fn rounds_needed(&self) -> Rounds {
+        let drafts = self.rows.iter().any(|r| r.drafting.is_some());
+        let mixed = self.rows.windows(2).any(|w| w[0].storage != w[1].storage);
+        if drafts || mixed { Rounds::PerRow } else { Rounds::No }
+    }
+
+    /// Moves every layer's rows to `rounds`' layout: each row leaves its layer as its own
+    /// storage and joins a new one, bit for bit what it held.
+    fn relayout(&mut self, rounds: Rounds) -> Result<()> {
+        if rounds == self.rounds {
+            return Ok(());
+        }
+        self.rounds = rounds;
+        for layer in &mut self.layers {
+            let rows = rows_of(layer.as_mut())?;
+            let held =
+                (0..rows.batch_size()).map(|_| rows.extract_row(0)).collect::<Result<Vec<_>>>()?;
+            let Some(first) = held.first() else {
+                continue;
+            };
+            let mut moved = first.empty_rows(rounds).ok_or_else(|| unbatched(first.as_ref()))?;
+            for row in held {
+                rows_of(moved.as_mut())?.merge_row(row)?;
+            }
+            *layer = moved;
+        }
+        if self.rows.is_empty() {
+            self.layers.clear();
+        }
         Ok(())
     }
 
@@ -557,9 +589,8 @@ impl<'m> Batch<'m> {
     /// samples the one after it. Steps are pipelined as mlx-lm's are: the pass is built on the
     /// tokens the previous pass sampled before they are read, and those tokens are read (and
     /// reported) while it runs. A row whose next token is its last, or whose penalties read it
-    /// first, has every row read before the pass instead. In a batch that verifies, a step in
-    /// which a row may draft reads every token first and verifies the drafts in one window
-    /// pass. Rows that end leave the batch ([`BatchEvent::Finished`]).
+    /// first, has every row read before the pass instead. A step in which a row may draft
+    /// reads every token first and verifies the drafts in one window pass. Rows that end leave the batch ([`BatchEvent::Finished`]).
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
         self.step_with(&mut |_, _| Flow::Continue)
     }
@@ -848,9 +879,12 @@ impl<'m> Batch<'m> {
         let row = self.rows.remove(b);
         if self.rows.is_empty() && row.ahead.is_some() {
             // The last row leaves with a pass built ahead still running: wait for it, so
-            // nothing of the batch computes after it has emptied (see `generate`'s loop).
+            // nothing of the batch computes after it has emptied.
             mlx::device::synchronize()?;
         }
+        // The rows left may share buffers again (no row drafts, one storage).
+        let rounds = self.rounds_needed();
+        self.relayout(rounds)?;
         row.finish(reason, caches)
     }
 
@@ -859,7 +893,7 @@ impl<'m> Batch<'m> {
         if self.rows.iter().any(|r| r.id == id) {
             return Err(Error::InvalidRequest(format!("row {id} is already in the batch")));
         }
-        if let Some(other) = caches.iter().find(|c| c.empty_rows(self.rounds).is_none()) {
+        if let Some(other) = caches.iter().find(|c| c.empty_rows(Rounds::PerRow).is_none()) {
             return Err(unbatched(other.as_ref()));
         }
         if self.layers.is_empty() || self.rows.is_empty() {
@@ -872,12 +906,14 @@ impl<'m> Batch<'m> {
                 self.layers.len()
             )));
         }
+        // A row keeps whatever storage its caches use; the kind of state each layer keeps
+        // (keys and values, or recurrent state, or rope shifts) is the model's.
         for (layer, cache) in self.layers.iter().zip(caches) {
-            let wanted = layer.signature();
-            if wanted != format!("rows({})", cache.signature()) {
+            if layer.as_attention().is_some() != cache.as_attention().is_some() {
                 return Err(Error::InvalidRequest(format!(
-                    "a row of {} cannot join a batch of {wanted}: one KV storage per batch",
-                    cache.signature()
+                    "a row of {} cannot join a layer of {}",
+                    cache.signature(),
+                    layer.signature()
                 )));
             }
         }
@@ -930,7 +966,7 @@ pub fn generate(
     Ok(finished.generation)
 }
 
-/// [`generate`] with a draft method, in a batch of one that verifies: the same tokens (greedy,
+/// [`generate`] with a draft method, in a batch of one: the same tokens (greedy,
 /// or sampled at the same seed), fewer target passes when drafts are accepted. `earlier` are
 /// the tokens `caches` already hold (a resumed conversation), so that the method sees the
 /// whole conversation. Returns the generation and the method's counts; the method keeps its
@@ -952,7 +988,7 @@ pub fn speculate(
         )));
     }
     crate::generate::check_prompt(model, earlier.len(), &request.prompt, request.max_tokens)?;
-    let mut batch = Batch::verifying(model);
+    let mut batch = Batch::new(model);
     let lent = Method::Lent(method);
     let joined = batch.join_with(0, std::mem::take(caches), request, earlier, lent, length);
     let finished = run_alone(&mut batch, joined, on_token)?;

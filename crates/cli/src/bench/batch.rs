@@ -12,7 +12,7 @@
 //! warm-up at the largest count. With `--compare`, whether the greedy tokens of every stream
 //! equal mlx-lm's. With `--lookup` every stream drafts by prompt lookup, with `--draft DIR` by
 //! a draft model (each stream on caches of its own, the weights shared), and the streams
-//! verify their drafts together (`Batch::verifying`), with the share of drafts kept; mlx-lm's
+//! verify their drafts together (`Batch::join_drafting`), with the share of drafts kept; mlx-lm's
 //! `BatchGenerator` does not speculate, so beside it the same tokens must come faster.
 
 use std::time::Instant;
@@ -99,10 +99,7 @@ fn run_once(
     streams: usize,
 ) -> anyhow::Result<Run> {
     let vocab = model.vocab_size() as u32;
-    let mut batch = match drafter {
-        Some(_) => Batch::verifying(model),
-        None => Batch::new(model),
-    };
+    let mut batch = Batch::new(model);
     let mut tokens = vec![Vec::new(); streams];
     let mut drafts = (0, 0);
     let mut record = |events: Vec<BatchEvent>, tokens: &mut Vec<Vec<u32>>| {

@@ -2,9 +2,10 @@
 //! batching need (rows at their own offsets, joined, extracted, filtered, and a speculative
 //! round resolved with one keep count per row).
 //!
-//! Every row is a single-sequence cache of the same storage (plain, ring, …), so each row is
-//! exactly what that storage would be for its sequence alone, whatever the other rows do: a
-//! per-row rollback is each row's own rollback, and an extracted row is an ordinary cache. An
+//! Every row is a single-sequence cache of its own storage (plain, ring, quantized, …; rows of
+//! different storages batch together), so each row is exactly what that storage would be for
+//! its sequence alone, whatever the other rows do: a per-row rollback is each row's own
+//! rollback, and an extracted row is an ordinary cache. An
 //! append hands each row its slice of the batch; the read then stacks the rows' reads, each
 //! left-padded to the longest with padding no query sees (the seed's `leftPad`).
 //!
@@ -73,22 +74,15 @@ impl CacheRows {
         self.rows.get(row).and_then(|r| r.as_attention())
     }
 
-    /// Appends `rows` after the existing ones. They must be attention storage, all of the
-    /// batch's (one [`super::Cache::signature`]); outside a round only.
+    /// Appends `rows` after the existing ones: attention storage of any kind (each row reads
+    /// its own: rows of different storages, full-precision beside quantized, batch too);
+    /// outside a round only.
     pub fn merge_rows(&mut self, rows: Vec<Box<dyn Cache>>) -> Result<()> {
         self.outside_round("merge rows")?;
         if let Some(other) = rows.iter().find(|r| r.as_attention().is_none()) {
             return Err(Error::InvalidRequest(format!(
                 "a batch of attention rows cannot take {}",
                 other.signature()
-            )));
-        }
-        let signature = self.rows.first().or(rows.first()).map(|r| r.signature());
-        if let Some(other) = rows.iter().find(|r| Some(r.signature()) != signature) {
-            return Err(Error::InvalidRequest(format!(
-                "a batch holds one storage: {} cannot join {}",
-                other.signature(),
-                signature.unwrap_or_default()
             )));
         }
         self.rows.extend(rows);
@@ -199,8 +193,8 @@ impl CacheRows {
                 self.max_append()
             )));
         }
-        // Every row holds the same storage with the same geometry (one signature, appends of
-        // one shape), so a bad append fails on the first row, before any row has changed.
+        // Every row's storage takes appends of the batch's one shape (the model's heads), so a
+        // bad append fails on the first row, before any row has changed.
         let mut reads = Vec::with_capacity(batch);
         for (b, row) in self.rows.iter_mut().enumerate() {
             let row = super::attention_of(row.as_mut())?;
@@ -243,16 +237,21 @@ impl Cache for CacheRows {
         self.rows.iter().map(|r| r.offset()).max().unwrap_or(0)
     }
 
+    /// `rows(…)` of the rows' storages, each named once.
     fn signature(&self) -> String {
-        match self.rows.first() {
-            Some(row) => format!("rows({})", row.signature()),
-            None => "rows".into(),
+        let mut storages: Vec<String> = Vec::new();
+        for row in &self.rows {
+            let signature = row.signature();
+            if !storages.contains(&signature) {
+                storages.push(signature);
+            }
         }
+        format!("rows({})", storages.join("|"))
     }
 
-    /// What one more position costs one row.
+    /// What one more position costs the costliest row.
     fn bytes_per_token(&self) -> usize {
-        self.rows.first().map_or(0, |r| r.bytes_per_token())
+        self.rows.iter().map(|r| r.bytes_per_token()).max().unwrap_or(0)
     }
 
     /// The longest row's stored positions.

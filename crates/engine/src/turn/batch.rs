@@ -13,11 +13,10 @@ use std::collections::HashMap;
 
 use super::{ChatModel, Drafters, Opened, ReplyText, Turn, TurnEvent, TurnOutcome};
 use crate::batch::{Batch, BatchEvent, Finished, RowId};
-use crate::cache::KvOptions;
 use crate::error::{Error, Result};
 use crate::generate::Flow;
 use crate::memory::{Beside, Fit};
-use crate::speculative::{DraftMethod, Speculation};
+use crate::speculative::DraftMethod;
 
 /// The callback a turn streams its events to; [`Flow::Stop`] ends the turn after that token.
 pub type OnEvent<'c> = Box<dyn FnMut(TurnEvent) -> Flow + 'c>;
@@ -71,8 +70,6 @@ pub struct TurnBatch<'c> {
     chat: &'c ChatModel,
     batch: Batch<'c>,
     rows: HashMap<RowId, Row<'c>>,
-    /// The KV storage every row's caches use (one per batch).
-    kv: Option<KvOptions>,
 }
 
 impl std::fmt::Debug for TurnBatch<'_> {
@@ -84,7 +81,7 @@ impl std::fmt::Debug for TurnBatch<'_> {
 impl<'c> TurnBatch<'c> {
     /// No turns yet.
     pub fn new(chat: &'c ChatModel) -> TurnBatch<'c> {
-        TurnBatch { chat, batch: Batch::new(chat.model()), rows: HashMap::new(), kv: None }
+        TurnBatch { chat, batch: Batch::new(chat.model()), rows: HashMap::new() }
     }
 
     /// Turns decoding now.
@@ -97,25 +94,15 @@ impl<'c> TurnBatch<'c> {
         self.batch.is_empty()
     }
 
-    /// Whether `turn` can join now: it keeps its keys and values as the turns in the batch do.
-    /// A turn of another KV storage waits for the batch to empty (its rows could not share the
-    /// batch's layers), and so does a turn that drafts when the batch's first turn did not
-    /// (its rows share buffers that resolve no rounds). A plain turn joins a batch that
-    /// verifies, drafting nothing; turns of one batch may draft with different methods.
-    pub fn takes(&self, turn: &Turn) -> bool {
-        let drafts = turn.speculation != Speculation::Off;
-        self.rows.is_empty() || (self.kv == Some(turn.kv) && (!drafts || self.batch.verifies()))
-    }
-
     /// Opens `turn`, prefills it alone and streams its first token to `on_event`; the turn then
     /// decodes with the others at each [`TurnBatch::step`]. A turn that drafts gets its own
     /// fork of the drafter `drafters` keeps loaded (a draft model's weights are shared, its
     /// caches are the turn's, restored from the turn's checkpoint as [`ChatModel::answer`]
     /// restores them). A turn whose KV cache fits only once other turns end is not opened
-    /// ([`Joined::Waits`]). A turn the batch does not take ([`TurnBatch::takes`]) or that
-    /// fails to open (an unreadable image, a prompt over the context, a KV cache over the
-    /// memory limit even alone, a drafter that does not load) is refused, and the other turns
-    /// are unaffected.
+    /// ([`Joined::Waits`]). Every turn joins, drafting or not, whatever its KV storage (rows
+    /// of different storages each keep their own). A turn that fails to open (an unreadable
+    /// image, a prompt over the context, a KV cache over the memory limit even alone, a
+    /// drafter that does not load) is refused, and the other turns are unaffected.
     pub fn join(
         &mut self,
         id: RowId,
@@ -182,23 +169,8 @@ impl<'c> TurnBatch<'c> {
         drafters: &mut Drafters,
         on_event: OnEvent<'c>,
     ) -> Result<Opening> {
-        if !self.takes(turn) {
-            return Err(Error::InvalidRequest(
-                "this turn cannot join the batch (drafts in a batch that does not verify, or \
-                 another KV storage than the batch's)"
-                    .into(),
-            ));
-        }
         if self.rows.contains_key(&id) {
             return Err(Error::InvalidRequest(format!("turn {id} is already in the batch")));
-        }
-        let drafts = turn.speculation != Speculation::Off;
-        if self.rows.is_empty() && drafts != self.batch.verifies() {
-            // The first turn decides whether rows verify drafts.
-            self.batch = match drafts {
-                true => Batch::verifying(self.chat.model()),
-                false => Batch::new(self.chat.model()),
-            };
         }
         let admitted = self.chat.admit(turn, self.beside())?;
         if let Fit::AfterOthers { needed, available } = admitted.fit {
@@ -215,9 +187,6 @@ impl<'c> TurnBatch<'c> {
         // The tokens the caches held before the prompt (a restored checkpoint's).
         let earlier = opened.prompt[..opened.prompt.len() - request.prompt.len()].to_vec();
         let reply = ReplyText::new(self.chat, turn, opened.started);
-        if self.rows.is_empty() {
-            self.kv = Some(turn.kv);
-        }
         self.rows.insert(id, Row { turn: turn.clone(), opened, reply, on_event });
         Ok(Opening::Ready(Box::new(Ready { caches, request, earlier, method })))
     }
@@ -242,9 +211,6 @@ impl<'c> TurnBatch<'c> {
             Ok(events) => events,
             Err(e) => {
                 self.rows.remove(&id);
-                if self.rows.is_empty() {
-                    self.kv = None;
-                }
                 return Err(e);
             }
         };

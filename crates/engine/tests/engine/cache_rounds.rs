@@ -328,39 +328,42 @@ proptest! {
 }
 
 /// A batch's window read gives each row what the row's own cache gives, rows of different
-/// lengths (left-padded in the read) and a ring that has wrapped included; a batch refuses an
-/// append of the wrong row count and a row of another storage, and is unchanged after.
+/// lengths (left-padded in the read), a ring that has wrapped and a row of the other storage
+/// (a plain row among rings, a ring among plain rows) included; a batch refuses an append of
+/// the wrong row count, and is unchanged after.
 #[test]
 fn a_batch_window_read_is_each_rows_own_read() {
     for make in [&|| Box::new(PlainCache::new()) as Box<dyn AttentionCache>, &|| {
         Box::new(RotatingCache::new(4).unwrap()) as Box<dyn AttentionCache>
     }] as [&dyn Fn() -> Box<dyn AttentionCache>; 2]
     {
-        let prefixes = [2, 9, 5];
+        let other: &dyn Fn() -> Box<dyn AttentionCache> = &|| {
+            if make().signature() == "plain" {
+                Box::new(RotatingCache::new(4).unwrap())
+            } else {
+                Box::new(PlainCache::new())
+            }
+        };
+        let prefixes = [2, 9, 5, 3];
         let mut batch = CacheRows::new();
         let mut own = Vec::new();
         for (b, &n) in prefixes.iter().enumerate() {
             let (k, v) =
                 (normal(&[1, HKV, n, D], 40 + b as u64), normal(&[1, HKV, n, D], 50 + b as u64));
-            let mut row = make();
+            let storage = if b == 3 { other } else { make };
+            let mut row = storage();
             row.append_window(&k, &v).unwrap();
             batch.merge_rows(vec![row]).unwrap();
-            let mut twin = make();
+            let mut twin = storage();
             twin.append_window(&k, &v).unwrap();
             own.push(twin);
         }
-        let other: Box<dyn AttentionCache> = if make().signature() == "plain" {
-            Box::new(RotatingCache::new(4).unwrap())
-        } else {
-            Box::new(PlainCache::new())
-        };
-        assert!(batch.merge_rows(vec![other]).is_err(), "one storage per batch");
         let wrong = normal(&[2, HKV, 3, D], 60);
         assert!(batch.append_window(&wrong, &wrong).is_err(), "one slice per row");
-        assert_eq!(batch.row_offsets(), vec![2, 9, 5]);
+        assert_eq!(batch.row_offsets(), vec![2, 9, 5, 3]);
 
         let (k, v, q) =
-            (normal(&[3, HKV, 3, D], 61), normal(&[3, HKV, 3, D], 62), normal(&[3, HQ, 3, D], 63));
+            (normal(&[4, HKV, 3, D], 61), normal(&[4, HKV, 3, D], 62), normal(&[4, HQ, 3, D], 63));
         let x = batch.append_window(&k, &v).unwrap().attend(&q, 0.5).unwrap();
         for (b, twin) in own.iter_mut().enumerate() {
             let b = b as i32;
@@ -372,6 +375,6 @@ fn a_batch_window_read_is_each_rows_own_read() {
             let diff = max_diff(&row_at(&x, b, 0, 3), &y);
             assert!(diff <= 1e-6, "{}: row {b} differs by {diff}", twin.signature());
         }
-        assert_eq!(batch.row_offsets(), vec![5, 12, 8]);
+        assert_eq!(batch.row_offsets(), vec![5, 12, 8, 6]);
     }
 }
