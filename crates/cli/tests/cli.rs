@@ -254,7 +254,39 @@ fn bench_batch_tokens_equal_mlx_lm_batch_generators() {
         if drafting.first() == Some(&"--draft") {
             assert!(drafts.unwrap() > 0, "a draft model always proposes: {stdout}");
         }
+        // Drafting streams are measured beside plain ones in the same invocation.
+        let plain = json["quince"][1]["plain_decode_tok_s"].as_f64();
+        assert_eq!(plain.is_some_and(|p| p > 0.0), drafts_expected, "plain beside: {stdout}");
     }
+}
+
+/// `bench-batch --text`: the streams' prompts are slices of a text file as the model's
+/// tokenizer reads it; a model without a tokenizer is refused.
+#[test]
+fn bench_batch_takes_its_prompts_from_a_text_file() {
+    let heldout = root().join("tests/models/heldout.txt");
+    let out = quince()
+        .args(["bench-batch", "--model"])
+        .arg(trained_demo())
+        .args(["--lookup", "--text"])
+        .arg(&heldout)
+        .args(["--prompt-tokens", "16", "--gen-tokens", "3", "--streams", "2"])
+        .args(["--repeats", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert!(json["quince"][0]["plain_decode_tok_s"].as_f64().unwrap() > 0.0, "{stdout}");
+    let out = quince()
+        .args(["bench-batch", "--model"])
+        .arg(dense())
+        .arg("--text")
+        .arg(&heldout)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tokenizer"), "refused by name");
 }
 
 #[test]

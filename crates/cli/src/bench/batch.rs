@@ -12,8 +12,13 @@
 //! warm-up at the largest count. With `--compare`, whether the greedy tokens of every stream
 //! equal mlx-lm's. With `--lookup` every stream drafts by prompt lookup, with `--draft DIR` by
 //! a draft model (each stream on caches of its own, the weights shared), and the streams
-//! verify their drafts together (`Batch::join_drafting`), with the share of drafts kept; mlx-lm's
-//! `BatchGenerator` does not speculate, so beside it the same tokens must come faster.
+//! verify their drafts together (`Batch::join_drafting`), with the share of drafts kept; each
+//! run is then paired with a plain run of the same streams (run after run, in the same
+//! invocation), reported beside it with the ratio, and the tokens must be the same. mlx-lm's
+//! `BatchGenerator` does not speculate, so beside it the same tokens must come faster. With
+//! `--text FILE` the streams' prompts are consecutive `--prompt-tokens` slices of the file's
+//! text as the model's tokenizer reads it, instead of synthetic ids (real text repeats itself,
+//! as prompt lookup needs).
 
 use std::time::Instant;
 
@@ -69,6 +74,10 @@ pub struct Args {
     /// Print every step's time on stderr as it ends (to see where a slow run spends it).
     #[arg(long)]
     verbose: bool,
+    /// The streams' prompts: consecutive `--prompt-tokens` slices of this file's text, read by
+    /// the model's tokenizer (its BOS first), instead of synthetic ids.
+    #[arg(long, conflicts_with = "compare")]
+    text: Option<std::path::PathBuf>,
     #[command(flatten)]
     load: LoadArgs,
 }
@@ -78,6 +87,23 @@ pub struct Args {
 fn stream_prompt(n: usize, vocab: u32, s: usize) -> Vec<u32> {
     let shift = 101 * s as u32;
     (0..n as u32).map(|i| 3 + (i * 7919 + 13 + shift) % (vocab - 3)).collect()
+}
+
+/// Every stream's prompt (`streams` of them): `--text`'s slices, or the synthetic ones.
+fn prompts(model: &dyn Model, args: &Args, streams: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    let Some(file) = &args.text else {
+        let vocab = model.vocab_size() as u32;
+        return Ok((0..streams).map(|s| stream_prompt(args.prompt_tokens, vocab, s)).collect());
+    };
+    let tokenizer = engine::tokenizer::Tokenizer::from_dir(&args.model)?
+        .context("--text needs the model's tokenizer.json")?;
+    let text = std::fs::read_to_string(file).with_context(|| file.display().to_string())?;
+    let ids = tokenizer.encode(&text, true)?;
+    let n = args.prompt_tokens;
+    if ids.len() < n * streams {
+        bail!("{} holds {} tokens, fewer than {streams} prompts of {n}", file.display(), ids.len());
+    }
+    Ok((0..streams).map(|s| ids[s * n..(s + 1) * n].to_vec()).collect())
 }
 
 /// One run at `streams` concurrent streams.
@@ -96,9 +122,9 @@ fn run_once(
     model: &dyn Model,
     drafter: Option<&dyn DraftMethod>,
     args: &Args,
-    streams: usize,
+    prompts: &[Vec<u32>],
 ) -> anyhow::Result<Run> {
-    let vocab = model.vocab_size() as u32;
+    let streams = prompts.len();
     let mut batch = Batch::new(model);
     let mut tokens = vec![Vec::new(); streams];
     let mut drafts = (0, 0);
@@ -117,9 +143,8 @@ fn run_once(
     };
     let joining = Instant::now();
     let mut arriving = Vec::with_capacity(streams);
-    for s in 0..streams {
-        let request =
-            GenerateRequest::new(stream_prompt(args.prompt_tokens, vocab, s), args.gen_tokens);
+    for (s, prompt) in prompts.iter().enumerate() {
+        let request = GenerateRequest::new(prompt.clone(), args.gen_tokens);
         let (id, caches) = (s as u64, model.fresh_caches()?);
         if args.together {
             arriving.push((id, caches, request));
@@ -198,23 +223,40 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         None => None,
     };
     let drafter = drafter.as_deref();
+    let most = args.streams.iter().copied().max().unwrap_or(1);
+    let all_prompts = prompts(model.as_ref(), args, most)?;
     // Warm-up at every stream count: builds the kernels of every shape (on CUDA, kernels
     // compiled on first use per row count take seconds each).
     for &streams in &args.streams {
         let began = Instant::now();
-        run_once(model.as_ref(), drafter, args, streams)?;
+        run_once(model.as_ref(), drafter, args, &all_prompts[..streams])?;
+        if drafter.is_some() {
+            run_once(model.as_ref(), None, args, &all_prompts[..streams])?;
+        }
         eprintln!("warm-up at {streams} streams: {:.1} s", began.elapsed().as_secs_f64());
     }
     let mut rows = Vec::new();
     for &streams in &args.streams {
+        let prompts = &all_prompts[..streams];
         let mut rates = Vec::new();
+        let mut plain_rates = Vec::new();
         let mut firsts = Vec::new();
         let mut steps = Vec::new();
         let mut tokens = Vec::new();
         let mut drafts = (0, 0);
         for _ in 0..args.repeats {
+            if drafter.is_some() {
+                // The plain run of the same streams, paired with the drafting one.
+                let plain = run_once(model.as_ref(), None, args, prompts)?;
+                eprintln!("{streams} streams plain: {:.1} tok/s", plain.decode_tok_s);
+                plain_rates.push(plain.decode_tok_s);
+                tokens = plain.tokens;
+            }
             let began = Instant::now();
-            let run = run_once(model.as_ref(), drafter, args, streams)?;
+            let run = run_once(model.as_ref(), drafter, args, prompts)?;
+            if drafter.is_some() && run.tokens != tokens {
+                bail!("at {streams} streams the drafting streams' tokens differ from plain ones");
+            }
             eprintln!(
                 "{streams} streams: {:.1} tok/s, first tokens {:.1} ms, {} steps, {:.1} s",
                 run.decode_tok_s,
@@ -239,6 +281,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         if drafter.is_some() {
             row["drafts_proposed"] = json!(drafts.0 / args.repeats);
             row["drafts_accepted"] = json!(drafts.1 / args.repeats);
+            row["plain_decode_tok_s"] = json!(percentile(&mut plain_rates, 0.5));
         }
         rows.push(row);
     }
@@ -317,7 +360,11 @@ fn print_table(rows: &[Value], reference: Option<&Value>) {
         );
         if let Some(proposed) = row["drafts_proposed"].as_u64() {
             let accepted = row["drafts_accepted"].as_u64().unwrap_or(0);
-            print!("   drafts kept {accepted:>4}/{proposed:<4}");
+            let plain = f(&row["plain_decode_tok_s"]);
+            let ratio = f(&row["decode_tok_s"]) / plain.max(f64::MIN_POSITIVE);
+            print!(
+                "   drafts kept {accepted:>4}/{proposed:<4}  plain {plain:>8.1} tok/s  {ratio:.2}×"
+            );
         }
         if let Some(r) = reference
             .and_then(|r| reference_rows(r).iter().find(|r| r["streams"] == row["streams"]))
