@@ -1,5 +1,5 @@
 # python3 tests/bench/qmv_probe.py (GPU machine, MLX-CUDA). Quince's 4-bit matrix-vector kernel
-# (crates/engine/src/backend/cuda/qmv4.cu) against mx.quantized_matmul on Gemma 4 E4B shapes:
+# (crates/cache/src/backend/cuda/qmv4.cu) against mx.quantized_matmul on Gemma 4 E4B shapes:
 # error against the dequantized matrix in fp32, and time per matrix with enough distinct matrices
 # that the weights come from HBM, not L2. A row of tiny matrices gives each path's per-op floor.
 import itertools
@@ -9,7 +9,7 @@ import time
 
 import mlx.core as mx
 
-SRC = open(os.path.join(os.path.dirname(__file__), "../../crates/engine/src/backend/cuda/qmv4.cu")).read()
+SRC = open(os.path.join(os.path.dirname(__file__), "../../crates/cache/src/backend/cuda/qmv4.cu")).read()
 KERNEL = mx.fast.cuda_kernel(name="qmv4", input_names=["x", "w", "scales", "biases"],
                              output_names=["y"], source=SRC)
 

@@ -110,7 +110,7 @@ fn multimodal_logits(
     // An image block's markers: its first and last tokens around the image tokens.
     let block = vision.image_block(1);
     let (boi, eoi) = (block[0], block[block.len() - 1]);
-    let runs = engine::generate::image_runs(tokens, image);
+    let runs = engine::vision::image_runs(tokens, image);
     if runs.len() != images.len() {
         bail!("the prompt has {} image blocks but {} images were given", runs.len(), images.len());
     }

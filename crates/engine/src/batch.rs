@@ -41,11 +41,11 @@ use std::time::Instant;
 use mlx::Array;
 
 use crate::cache::{BatchRows, Cache, Cohort, Rounds, stack_max_append, stack_offset};
-use crate::error::{Error, Result};
 use crate::generate::{Flow, GenerateRequest, Generation, GenerationStats, StopReason};
 use crate::models::{Model, Phase, Rows, target_lacks};
 use crate::sampling::Sampler;
 use crate::speculative::{DraftLength, DraftMethod, Pace, SpecStats, Target};
+use crate::{Error, Result};
 
 /// Identifies a request in a batch (the caller's choice, unique among the rows).
 pub type RowId = u64;
@@ -473,21 +473,21 @@ impl<'m> Batch<'m> {
             return Ok(());
         }
         self.rounds = rounds;
+        if self.layers.iter().any(|l| l.as_batch_rows().is_none_or(|r| r.batch_size() == 0)) {
+            // No row to move: the next row to join makes the layers afresh.
+            self.layers.clear();
+            return Ok(());
+        }
         for layer in &mut self.layers {
             let rows = rows_of(layer.as_mut())?;
             let held =
                 (0..rows.batch_size()).map(|_| rows.extract_row(0)).collect::<Result<Vec<_>>>()?;
-            let Some(first) = held.first() else {
-                continue;
-            };
+            let first = held.first().ok_or_else(|| unbatched(layer.as_ref()))?;
             let mut moved = first.empty_rows(rounds).ok_or_else(|| unbatched(first.as_ref()))?;
             for row in held {
                 rows_of(moved.as_mut())?.merge_row(row)?;
             }
             *layer = moved;
-        }
-        if self.rows.is_empty() {
-            self.layers.clear();
         }
         Ok(())
     }
@@ -882,7 +882,11 @@ impl<'m> Batch<'m> {
             // nothing of the batch computes after it has emptied.
             mlx::device::synchronize()?;
         }
-        // The rows left may share buffers again (no row drafts, one storage).
+        // The rows left may share buffers again (no row drafts, one storage); with none left,
+        // the next row to join makes the layers afresh, in the layout it needs.
+        if self.rows.is_empty() {
+            self.layers.clear();
+        }
         let rounds = self.rounds_needed();
         self.relayout(rounds)?;
         row.finish(reason, caches)

@@ -17,7 +17,7 @@ use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 
-use crate::error::{Error, Result};
+use crate::{Error, Result};
 
 /// What a reply must be.
 #[derive(Debug, Clone, PartialEq)]

@@ -14,7 +14,7 @@ use std::path::Path;
 use mlx::{Array, Dtype};
 use serde_json::{Value, json};
 
-use crate::error::{Error, Result};
+use crate::{Error, Result};
 
 /// Name the app shows for the demo model.
 pub const DISPLAY_NAME: &str = "Demo (untrained)";

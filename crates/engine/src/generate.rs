@@ -10,9 +10,9 @@ use mlx::Array;
 use serde::{Deserialize, Serialize};
 
 use crate::cache::{Cache, stack_offset};
-use crate::error::{Error, Result};
 use crate::models::{Model, Phase, Rows};
 use crate::sampling::SamplingParams;
+use crate::{Error, Result};
 
 /// One generation request.
 #[derive(Debug, Clone)]
@@ -188,24 +188,6 @@ pub fn prefill(
     Ok(row)
 }
 
-/// Runs of `image_token` in `tokens`, as `(start, length)`.
-pub fn image_runs(tokens: &[u32], image_token: u32) -> Vec<(usize, usize)> {
-    let mut runs = Vec::new();
-    let mut i = 0;
-    while i < tokens.len() {
-        if tokens[i] == image_token {
-            let start = i;
-            while i < tokens.len() && tokens[i] == image_token {
-                i += 1;
-            }
-            runs.push((start, i - start));
-        } else {
-            i += 1;
-        }
-    }
-    runs
-}
-
 /// Prefills a prompt with images in chunks of about `step` positions; a chunk never ends
 /// inside a run of image tokens (the run is one bidirectional block), and each image's
 /// features go to the chunk holding its run. Returns the last position's logits `[1, V]`.
@@ -220,7 +202,7 @@ pub fn prefill_multimodal(
         .vision()
         .ok_or_else(|| Error::InvalidRequest("this model does not take images".into()))?
         .image_token();
-    let runs = image_runs(tokens, image_token);
+    let runs = models::vision::image_runs(tokens, image_token);
     if runs.len() != images.len() {
         return Err(Error::InvalidRequest(format!(
             "the prompt has {} image blocks but {} images were given",

@@ -1,6 +1,9 @@
-//! Quince's inference engine over MLX: checkpoints, tokenizers and chat templates, the cache
-//! stack, models, sampling, generation, speculative decoding and KV checkpoint files. No
-//! Tauri, no SQL.
+//! Quince's inference engine over MLX: the one decode path (every reply a row of a batch,
+//! drafting or not), the turn API, sampling and constrained decoding, tokenizers and chat
+//! templates, tools. No Tauri, no SQL. It runs on two crates below it, re-exported here under
+//! the paths the engine has always given them: `cache` (the cache stack, KV checkpoint files,
+//! the op routes: [`cache`], [`backend`], [`kv_file`], …) and `models` (checkpoints, the
+//! `Model` trait, the families, the registry: [`models`], [`registry`], [`checkpoint`], …).
 //!
 //! # The flow of one reply
 //!
@@ -24,7 +27,7 @@
 //! [`cache`]: its traits carry the invariants the rest relies on (the phase is the method
 //! name; caches own their attention reads; signatures are explicit; a round is a transaction).
 //! Then [`models`] (the `Model` trait and the ports drafters read), one family
-//! (`models/gemma4/`), [`batch`], [`turn`].
+//! ([`models::gemma4`]), [`batch`], [`turn`].
 //!
 //! ```no_run
 //! use engine::LoadOptions;
@@ -44,34 +47,22 @@
 
 #![deny(missing_docs)]
 
-pub mod backend;
 pub mod batch;
-pub mod cache;
-pub mod checkpoint;
-pub mod compiled;
 pub mod constrain;
 pub mod demo;
-mod error;
 pub mod generate;
-pub mod kv_file;
 pub mod memory;
 pub mod messages;
-pub mod models;
-pub mod nn;
-mod options;
-pub mod pointwise;
-pub mod registry;
 pub mod sampling;
 pub mod speculative;
 pub mod tokenizer;
-pub mod tokens;
 pub mod tools;
 pub mod turn;
-pub mod units;
-pub mod vision;
 
-pub use error::{Error, Result};
-pub use options::{KernelOptions, LoadOptions};
+// The layers below, under the paths the engine has always given them.
+pub use cache::backend::KernelOptions;
+pub use cache::{self, Error, Result, backend, compiled, kv_file, pointwise, units};
+pub use models::{self, LoadOptions, checkpoint, nn, registry, tokens, vision};
 
 /// Ops per CUDA graph Quince runs MLX-CUDA with (MLX's default on an H200 is 30).
 pub const CUDA_GRAPH_OPS: u32 = 100;

@@ -6,7 +6,7 @@
 //! them to end ([`Fit::AfterOthers`]).
 
 use crate::cache::{CachePlan, KvOptions};
-use crate::error::{Error, Result};
+use crate::{Error, Result};
 
 /// The share of the recommended memory a turn may fill when nothing else is said.
 pub const DEFAULT_SHARE: f64 = 0.9;

@@ -8,7 +8,7 @@
 use mlx::{Array, Dtype, ops, random};
 
 use crate::constrain::Grammar;
-use crate::error::{Error, Result};
+use crate::{Error, Result};
 
 /// Sampling settings, as a chat app exposes them.
 #[derive(Debug, Clone, PartialEq)]

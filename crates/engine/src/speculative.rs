@@ -27,7 +27,7 @@ use std::path::PathBuf;
 use mlx::Array;
 use serde::{Deserialize, Serialize};
 
-use crate::error::Result;
+use crate::Result;
 pub use crate::models::{DraftMethod, Target};
 use crate::sampling::Sampler;
 

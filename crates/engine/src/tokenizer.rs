@@ -10,9 +10,9 @@ use serde_json::Value;
 
 use crate::checkpoint::read_json;
 use crate::constrain::Vocabulary;
-use crate::error::{Error, Result};
 use crate::messages::Message;
 use crate::tools::ToolSyntax;
+use crate::{Error, Result};
 
 /// Markers that end an assistant turn in common chat templates; the ones present in a
 /// tokenizer's vocabulary become stop tokens.

@@ -32,16 +32,16 @@ use serde::{Deserialize, Serialize};
 pub use batch::{Joined, OnEvent, TurnBatch};
 pub use drafters::Drafters;
 
+use crate::LoadOptions;
 use crate::cache::{KvOptions, stack_offset};
-use crate::error::{Error, Result};
 use crate::generate::{Flow, GenerateRequest, Generation, StopReason};
 use crate::kv_file::{self, Identity};
 use crate::memory::{Beside, Fit};
 use crate::models::Model;
-use crate::options::LoadOptions;
 use crate::sampling::SamplingParams;
 use crate::speculative::{DraftLength, DraftMethod, SpecStats, Speculation};
 use crate::tokenizer::{TemplateOptions, TextStream, Tokenizer};
+use crate::{Error, Result};
 
 /// A model ready to answer turns: its weights, its tokenizer (absent for a checkpoint without
 /// tokenizer files: raw token turns only) and who its checkpoints belong to.

@@ -16,7 +16,7 @@ Usage: python tests/golden/kv/make_golden.py [--out DIR] [--check]
 - turbo/: mlx-vlm's `TurboQuantKVCache` (MSE codec) on random keys and values: the packed codes
   and norms it stores, the rotation signs and codebooks, and its attention outputs for a decode
   query and for a causal window.
-- crates/engine/src/cache/turbo/codebooks.rs: mlx-vlm's Lloyd-Max codebooks as f32 bit patterns,
+- crates/cache/src/turbo/codebooks.rs: mlx-vlm's Lloyd-Max codebooks as f32 bit patterns,
   which the engine embeds (numpy's float32 arithmetic makes them impossible to re-derive exactly).
 """
 
@@ -36,7 +36,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 from mlx_vlm import turboquant as tq  # noqa: E402
 from mlx_vlm.models.base import scaled_dot_product_attention as vlm_sdpa  # noqa: E402
 
-CODEBOOKS_RS = ROOT / "crates/engine/src/cache/turbo/codebooks.rs"
+CODEBOOKS_RS = ROOT / "crates/cache/src/turbo/codebooks.rs"
 CODEBOOK_DIMS = [16, 32, 64, 128, 256, 512, 1024]
 CODEBOOK_BITS = [1, 2, 3, 4]
 

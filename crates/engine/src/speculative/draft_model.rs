@@ -8,9 +8,9 @@ use mlx::Array;
 
 use super::{DraftMethod, Target};
 use crate::cache::Cache;
-use crate::error::{Error, Result};
 use crate::kv_file::Attachment;
 use crate::models::{Model, Phase, Rows};
+use crate::{Error, Result};
 
 /// The [`Attachment`] schema of a draft model's caches kept with a target checkpoint.
 pub const SCHEMA: &str = "quince-draft-kv/1";

@@ -3,8 +3,8 @@
 //! (code edits, summaries, extraction).
 
 use super::{DraftMethod, Target};
-use crate::error::{Error, Result};
 use crate::models::Model;
+use crate::{Error, Result};
 
 /// N-gram matching in the conversation so far.
 #[derive(Debug, Clone)]

@@ -13,10 +13,10 @@ use std::collections::HashMap;
 
 use super::{ChatModel, Drafters, Opened, ReplyText, Turn, TurnEvent, TurnOutcome};
 use crate::batch::{Batch, BatchEvent, Finished, RowId};
-use crate::error::{Error, Result};
 use crate::generate::Flow;
 use crate::memory::{Beside, Fit};
 use crate::speculative::DraftMethod;
+use crate::{Error, Result};
 
 /// The callback a turn streams its events to; [`Flow::Stop`] ends the turn after that token.
 pub type OnEvent<'c> = Box<dyn FnMut(TurnEvent) -> Flow + 'c>;

@@ -5,12 +5,12 @@
 use std::path::Path;
 
 use super::ChatModel;
-use crate::error::{Error, Result};
-use crate::options::LoadOptions;
+use crate::LoadOptions;
 use crate::registry;
 use crate::speculative::draft_model::DraftModel;
 use crate::speculative::lookup::PromptLookup;
 use crate::speculative::{DraftMethod, Speculation};
+use crate::{Error, Result};
 
 /// The last draft method used, kept loaded.
 #[derive(Debug, Default)]

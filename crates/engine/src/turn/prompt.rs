@@ -6,12 +6,12 @@ use std::path::PathBuf;
 use mlx::Array;
 
 use super::{ChatModel, Prompt, TurnMessage};
-use crate::error::{Error, Result};
-use crate::generate::image_runs;
 use crate::messages::{Content, Message, Part};
 use crate::models::Model;
 use crate::tokenizer::TemplateOptions;
 use crate::vision::PreparedImage;
+use crate::vision::image_runs;
+use crate::{Error, Result};
 
 /// Every image of the prompt, decoded and sized, in prompt order.
 pub(super) fn prepare_images(
@@ -73,7 +73,8 @@ pub(super) fn render(
     let counts: Vec<usize> = prepared.iter().map(|p| p.soft_tokens).collect();
     // The template writes its own BOS: no special tokens are added.
     let text = tokenizer.render_with(&template_messages(messages), open, options)?;
-    match vision.expand_text(&text, &counts, tokenizer) {
+    let token_text = |id: u32| tokenizer.decode(&[id], false);
+    match vision.expand_text(&text, &counts, &token_text) {
         Some(expanded) => tokenizer.encode(&expanded?, false),
         None => vision.expand(&tokenizer.encode(&text, false)?, &counts),
     }

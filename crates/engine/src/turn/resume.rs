@@ -5,8 +5,8 @@ use std::path::Path;
 
 use super::prompt::{common_prefix, cut_outside_images};
 use super::{ChatModel, ResumeCandidate, WrittenCheckpoint};
+use crate::Result;
 use crate::cache::{Cache, CachePlan, CacheState, stack_offset};
-use crate::error::Result;
 use crate::generate::{GenerateRequest, prefill};
 use crate::kv_file;
 

@@ -428,8 +428,8 @@ fn drafting_rows_verify_together_and_equal_each_request_alone() {
 /// rows move to their own storages while it verifies, and back to shared buffers when it
 /// leaves), and rows keeping their keys and values in 4-bit or TurboQuant storage join rows in
 /// full precision; each generates what it generates alone and leaves holding bit for bit what
-/// the solo run holds. A drafter reading a port the target lacks (the assistant on Qwen3.5) is
-/// refused before any prefill.
+/// the solo run holds; a drafting row joins the batch once it has emptied. A drafter reading a
+/// port the target lacks (the assistant on Qwen3.5) is refused before any prefill.
 #[test]
 fn rows_join_whatever_the_others_draft_with_and_store_their_keys_in() {
     use engine::cache::{KvFormat, KvOptions};
@@ -472,6 +472,20 @@ fn rows_join_whatever_the_others_draft_with_and_store_their_keys_in() {
     while !batch.is_empty() {
         record(batch.step().unwrap());
     }
+    // A batch emptied by plain rows takes a drafting row next (its layers made afresh in the
+    // layout it needs).
+    let mut again = Batch::new(model.as_ref());
+    record(again.join(8, caches(0).unwrap(), &requests[3]).unwrap());
+    while !again.is_empty() {
+        record(again.step().unwrap());
+    }
+    let lookup = Box::new(PromptLookup::default());
+    let length = DraftLength::default();
+    record(again.join_drafting(9, caches(0).unwrap(), &requests[0], &[], lookup, length).unwrap());
+    while !again.is_empty() {
+        record(again.step().unwrap());
+    }
+    assert_eq!(finished[&9].generation.tokens, finished[&0].generation.tokens, "row 9 = row 0");
     for (i, request) in requests.iter().enumerate() {
         let mut solo = caches(i).unwrap();
         let want = generate(model.as_ref(), &mut solo, request, |_| Flow::Continue).unwrap();

@@ -1,0 +1,3 @@
+fn main() {
+    mlx_build::emit_rpath();
+}
