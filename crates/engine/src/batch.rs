@@ -300,8 +300,8 @@ impl<'m> Batch<'m> {
     /// Prefills `request` alone on `caches` (fresh, or holding a prefix the prompt continues)
     /// and samples its first token. Returns that token's event and, when the request ended with
     /// it, its [`BatchEvent::Finished`]; otherwise the row joins the batch and decodes from the
-    /// next [`Batch::step`]. A request the batch cannot take (a model whose layers keep state
-    /// that does not batch, caches of another storage than the rows', a duplicate id)
+    /// next [`Batch::step`], whatever the other rows draft with and whatever storage their
+    /// caches use. A request the batch cannot take (state that does not batch, a duplicate id)
     /// is refused before its prefill, and the batch is unchanged.
     pub fn join(
         &mut self,
@@ -590,7 +590,8 @@ impl<'m> Batch<'m> {
     /// tokens the previous pass sampled before they are read, and those tokens are read (and
     /// reported) while it runs. A row whose next token is its last, or whose penalties read it
     /// first, has every row read before the pass instead. A step in which a row may draft
-    /// reads every token first and verifies the drafts in one window pass. Rows that end leave the batch ([`BatchEvent::Finished`]).
+    /// reads every token first and verifies the drafts in one window pass. Rows that end
+    /// leave the batch ([`BatchEvent::Finished`]).
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
         self.step_with(&mut |_, _| Flow::Continue)
     }
@@ -600,7 +601,8 @@ impl<'m> Batch<'m> {
     /// whose later drafts it would have kept (a user's stop, a stop string), so that it holds
     /// what it would hold had it stopped there decoding alone.
     pub fn step_with(&mut self, on_token: &mut OnToken<'_>) -> Result<Vec<BatchEvent>> {
-        if self.rounds == Rounds::PerRow && self.rows.iter().any(Row::may_draft) {
+        // A drafting row keeps the layers in per-row storage ([`Batch::rounds_needed`]).
+        if self.rows.iter().any(Row::may_draft) {
             return self.verify_step(on_token);
         }
         self.rows.iter_mut().for_each(Row::pass_plainly);
