@@ -5,10 +5,15 @@
 //! storage its chat chose; each reply that drafts does so with a drafter of its own), so a
 //! second conversation streams while the first does.
 //!
+//! Each reply is admitted once, when it arrives ([`TurnBatch::admit`]: its template rendered,
+//! its images read, its context and memory checked): it is told it was admitted
+//! ([`ReplyEvent::Admitted`]) or why not ([`ReplyEvent::Failed`]) before anything else of it
+//! runs, and joins, now or later, with that admission.
+//!
 //! A reply never waits unseen and is never dropped for another: one that must wait (its KV
 //! cache fits the memory limit only once replies decoding have ended, or a command sent before
-//! it, a model load, waits for them) is told so ([`ReplyEvent::Queued`]) and runs when its turn comes, in the
-//! order the replies came; one stopped while it waits ends without running
+//! it, a model load, waits for them) is told so ([`ReplyEvent::Queued`]) and runs when its turn
+//! comes, in the order the replies came; one stopped while it waits ends without running
 //! ([`ReplyEvent::StoppedWaiting`]).
 
 use std::collections::{HashMap, VecDeque};
@@ -21,7 +26,9 @@ use engine::batch::RowId;
 use engine::generate::Flow;
 use engine::kv_file::Identity;
 use engine::tokenizer::Tokenizer;
-use engine::turn::{ChatModel, Drafters, Joined, Turn, TurnBatch, TurnEvent, TurnOutcome};
+use engine::turn::{
+    Admission, ChatModel, Drafters, Joined, Turn, TurnBatch, TurnEvent, TurnOutcome,
+};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Error, Result};
@@ -49,6 +56,10 @@ pub struct ModelInfo {
 /// What a reply emits while it is generated.
 #[derive(Debug, Clone)]
 pub enum ReplyEvent {
+    /// The reply was admitted: its prompt fits the context and its KV cache the memory limit
+    /// (at least once the replies running now end). The first event of every reply that is
+    /// not refused, unless a model load queued it first.
+    Admitted,
     /// New text to append.
     Text {
         /// The piece.
@@ -84,10 +95,6 @@ enum Command {
         turn: Box<Turn>,
         events: mpsc::UnboundedSender<ReplyEvent>,
         cancel: Arc<AtomicBool>,
-    },
-    Check {
-        turn: Box<Turn>,
-        reply: oneshot::Sender<Result<()>>,
     },
     Shutdown,
 }
@@ -165,13 +172,6 @@ impl Engine {
                                 serve_together(model, &mut drafters, first, &inbox, &mut deferred);
                             }
                         },
-                        Command::Check { turn, reply } => {
-                            let checked = match &loaded {
-                                None => Err(Error::ModelMissing("no model is loaded".into())),
-                                Some(model) => model.check(&turn).map_err(Error::from),
-                            };
-                            let _ = reply.send(checked);
-                        }
                     }
                 }
             })
@@ -202,19 +202,9 @@ impl Engine {
         answer.await.map_err(|_| Error::Engine("the engine stopped".into()))?
     }
 
-    /// Whether the loaded model would answer `turn` (its images, context and KV memory; see
-    /// [`ChatModel::check`]), asked before anything of it is stored. Waits behind a reply in
-    /// flight.
-    pub async fn check(&self, turn: Turn) -> Result<()> {
-        let (reply, answer) = oneshot::channel();
-        self.commands
-            .send(Command::Check { turn: Box::new(turn), reply })
-            .map_err(|_| Error::Engine("the engine stopped".into()))?;
-        answer.await.map_err(|_| Error::Engine("the engine stopped".into()))?
-    }
-
-    /// Starts a reply; events arrive on the returned channel until `Done` or `Failed`. Setting
-    /// `cancel` stops it after the current token.
+    /// Starts a reply; events arrive on the returned channel until `Done` or `Failed`, the
+    /// first of them `Admitted` or why it was refused (see the module docs). Setting `cancel`
+    /// stops it after the current token.
     pub fn reply(
         &self,
         turn: Turn,
@@ -293,6 +283,8 @@ fn info(chat: &ChatModel) -> ModelInfo {
 /// A reply waiting to join a batch.
 struct Pending {
     turn: Box<Turn>,
+    /// What admitting it computed, once it was admitted.
+    admission: Option<Box<Admission>>,
     events: mpsc::UnboundedSender<ReplyEvent>,
     cancel: Arc<AtomicBool>,
     /// Whether it was told it waits.
@@ -305,16 +297,16 @@ impl Pending {
         events: mpsc::UnboundedSender<ReplyEvent>,
         cancel: Arc<AtomicBool>,
     ) -> Self {
-        Pending { turn, events, cancel, queued: false }
+        Pending { turn, admission: None, events, cancel, queued: false }
     }
 }
 
 /// Answers `first` and every reply that comes while it runs, together in one [`TurnBatch`],
 /// until none is left. Each joins after its own prefill and leaves when it ends or is
 /// stopped; one whose KV cache fits only once others end waits in line, and replies after it
-/// wait behind it. Checks are answered between steps; any other command (a load, shutdown)
-/// waits in `deferred` until the batch is empty, and every command after it waits too, so
-/// commands still take effect in the order they were sent.
+/// wait behind it. Any other command (a load, shutdown) waits in `deferred` until the batch is
+/// empty, and every command after it waits too, so commands still take effect in the order
+/// they were sent.
 fn serve_together(
     chat: &ChatModel,
     drafters: &mut Drafters,
@@ -357,9 +349,6 @@ fn serve_together(
                         true => arrivals.push(pending),
                         false => together.arrive(pending),
                     }
-                }
-                Command::Check { turn, reply } => {
-                    let _ = reply.send(chat.check(&turn).map_err(Error::from));
                 }
                 other => defer(deferred, other),
             }
@@ -410,8 +399,30 @@ struct Together<'c, 'd> {
 }
 
 impl Together<'_, '_> {
-    /// A reply that came: it joins now, or waits behind those already waiting.
-    fn arrive(&mut self, pending: Pending) {
+    /// Admits `pending` beside the batch, once, telling it so, or fails it; `false` when it
+    /// was refused.
+    fn admit(&self, pending: &mut Pending) -> bool {
+        if pending.admission.is_some() {
+            return true;
+        }
+        match self.batch.admit(&pending.turn) {
+            Ok(admission) => {
+                pending.admission = Some(Box::new(admission));
+                let _ = pending.events.send(ReplyEvent::Admitted);
+                true
+            }
+            Err(error) => {
+                let _ = pending.events.send(failed(error.into()));
+                false
+            }
+        }
+    }
+
+    /// A reply that came: admitted, it joins now or waits behind those already waiting.
+    fn arrive(&mut self, mut pending: Pending) {
+        if !self.admit(&mut pending) {
+            return;
+        }
         if self.waiting.is_empty() {
             self.join(pending);
         } else {
@@ -420,16 +431,27 @@ impl Together<'_, '_> {
     }
 
     /// Replies that came together: they join together ([`TurnBatch::join_all`]: those that
-    /// start fresh prefill as one padded cohort), or wait behind those already waiting.
+    /// start fresh prefill as one padded cohort), or wait behind those already waiting. Each
+    /// is admitted first; those refused leave the group.
     fn arrive_all(&mut self, arrivals: Vec<Pending>) {
         if arrivals.len() < 2 || !self.waiting.is_empty() {
             arrivals.into_iter().for_each(|p| self.arrive(p));
             return;
         }
+        let mut arrivals = arrivals;
+        arrivals.retain_mut(|p| self.admit(p));
         let ids: Vec<RowId> = (0..arrivals.len() as RowId).map(|i| self.next + i).collect();
         self.next += arrivals.len() as RowId;
-        let group =
-            arrivals.iter().zip(&ids).map(|(p, &id)| (id, &*p.turn, stream_to(p))).collect();
+        let mut admissions: Vec<Admission> = Vec::with_capacity(arrivals.len());
+        for p in &mut arrivals {
+            admissions.extend(p.admission.take().map(|a| *a));
+        }
+        let group = arrivals
+            .iter()
+            .zip(&ids)
+            .zip(admissions)
+            .map(|((p, &id), admission)| (id, &*p.turn, admission, stream_to(p)))
+            .collect();
         let results = self.batch.join_all(group, self.drafters);
         for ((pending, id), joined) in arrivals.into_iter().zip(ids).zip(results) {
             self.joined(pending, id, joined, false);
@@ -461,20 +483,25 @@ impl Together<'_, '_> {
         self.join_or_wait(pending, false);
     }
 
-    /// Joins `pending`, or puts it back in line (at the front when it was first in line);
-    /// `false` when it waits.
-    fn join_or_wait(&mut self, pending: Pending, front: bool) -> bool {
+    /// Joins `pending` (admitted already), or puts it back in line (at the front when it was
+    /// first in line); `false` when it waits.
+    fn join_or_wait(&mut self, mut pending: Pending, front: bool) -> bool {
+        if !self.admit(&mut pending) {
+            return true;
+        }
+        let Some(admission) = pending.admission.take() else { return true };
         let id = self.next;
         self.next += 1;
-        let joined = self.batch.join(id, &pending.turn, self.drafters, stream_to(&pending));
+        let on_event = stream_to(&pending);
+        let joined = self.batch.join(id, &pending.turn, *admission, self.drafters, on_event);
         self.joined(pending, id, joined, front)
     }
 
     /// What became of `pending`, joined as `id`: it decodes, ended, failed, or waits in line
-    /// (at the front when it was first in line); `false` when it waits.
+    /// with its admission (at the front when it was first in line); `false` when it waits.
     fn joined(
         &mut self,
-        pending: Pending,
+        mut pending: Pending,
         id: RowId,
         joined: engine::Result<Joined>,
         front: bool,
@@ -486,11 +513,13 @@ impl Together<'_, '_> {
             Ok(Joined::Ended(outcome)) => {
                 let _ = pending.events.send(ReplyEvent::Done(outcome));
             }
-            Ok(Joined::Behind) => {
+            Ok(Joined::Behind(admission)) => {
+                pending.admission = Some(admission);
                 self.wait(pending, "a reply that came before it is waiting".into());
                 return false;
             }
-            Ok(Joined::Waits { needed, available }) => {
+            Ok(Joined::Waits { admission, needed, available }) => {
+                pending.admission = Some(admission);
                 let reason = format!(
                     "its KV cache ({}) fits the memory limit only once a reply running now has \
                      finished ({} free beside them)",

@@ -1,7 +1,7 @@
 //! KV checkpoints in the store: indexing what a reply wrote, dropping damaged ones, and keeping
 //! the files within the disk budget (least recently used first).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use engine::turn::WrittenCheckpoint;
 
@@ -58,6 +58,13 @@ impl Chat {
                 .await?;
         }
         self.enforce_checkpoint_budget(new).await
+    }
+
+    /// The file of the checkpoint written at the end of `reply`, when one was kept.
+    pub async fn checkpoint_file(&self, reply: i64) -> Result<Option<PathBuf>> {
+        let all = self.store.checkpoints_by_use().await?;
+        let found = all.into_iter().find(|c| c.message_id == reply);
+        Ok(found.map(|c| self.checkpoints_dir().join(c.path)))
     }
 
     /// Deletes the least recently used checkpoints (never `keep`) until the files fit the

@@ -162,12 +162,16 @@ pub struct CompletionStream {
 
 impl CompletionStream {
     /// The next event: text, a note that it waits for room, then `Done` (with the outcome and
-    /// its statistics) or `Failed`; `None` after those.
+    /// its statistics) or `Failed`; `None` after those. (That the completion was admitted is
+    /// not passed on: a refusal comes as `Failed`, before any other event.)
     pub async fn next(&mut self) -> Option<ReplyEvent> {
         if self.ended {
             return None;
         }
-        let event = self.events.recv().await;
+        let mut event = self.events.recv().await;
+        while let Some(ReplyEvent::Admitted) = event {
+            event = self.events.recv().await;
+        }
         match &event {
             Some(ReplyEvent::Done(outcome)) => {
                 self.ended = true;

@@ -1,6 +1,13 @@
 //! Replies: a user message stored and answered, a reply regenerated, a message edited (each a
 //! new branch of the message tree), and stopping the reply in flight. A reply is written to the
 //! store while it streams, so a crash loses at most the last few pieces.
+//!
+//! A new message is stored once the engine has admitted its reply ([`ReplyEvent::Admitted`]):
+//! a reply refused because its KV cache would pass the memory limit stores nothing (the user
+//! picks a smaller KV cache or a new chat, and sends the same text again). Other refusals (a
+//! prompt over the context, an unreadable image) are the reply's own: the message is stored
+//! and the reply records the error. While a model loads, the message is stored at once and
+//! answered when the load ends.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,11 +33,44 @@ fn no_model() -> Error {
 }
 
 /// What a reply will answer beyond the stored messages: a message not stored yet.
-pub(crate) enum Pending<'a> {
+pub(crate) enum Pending {
     /// A text message with its images.
     Message(TurnMessage),
     /// Token ids of a raw conversation.
-    Tokens(&'a [u32]),
+    Tokens(Vec<u32>),
+}
+
+/// A user message to store under `parent` once its reply is admitted.
+pub(crate) struct NewMessage {
+    parent: Option<i64>,
+    /// Its text (a raw conversation's: its ids).
+    content: String,
+    /// Its images: (file, MIME type, bytes, SHA-256, position).
+    attachments: Vec<(String, String, i64, String, i64)>,
+    /// The conversation's title, when it has none yet.
+    title: Option<String>,
+    /// The model answering, recorded on the conversation.
+    model: Option<String>,
+    /// The message as the prompt reads it.
+    pending: Pending,
+}
+
+/// The user message a reply answers.
+pub(crate) enum Answering {
+    /// Stored already.
+    Stored(i64),
+    /// Stored once the reply is admitted.
+    New(Box<NewMessage>),
+}
+
+/// A checkpoint file's name, unique within the conversation's folder: chosen before the reply
+/// is stored (the reply's turn carries it into the engine).
+fn unique_name() -> String {
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{nanos:x}-{:x}", COUNT.fetch_add(1, Ordering::SeqCst))
 }
 
 impl Chat {
@@ -40,7 +80,7 @@ impl Chat {
         &self,
         chat: &store::Conversation,
         path: &[store::Message],
-        pending: Option<Pending<'_>>,
+        pending: Option<&Pending>,
     ) -> Result<Prompt> {
         if extras(&chat.settings).0 {
             let mut ids = Vec::new();
@@ -73,7 +113,7 @@ impl Chat {
             });
         }
         if let Some(Pending::Message(message)) = pending {
-            stored.push(message);
+            stored.push(message.clone());
         }
         for m in stored {
             match messages.last_mut() {
@@ -87,41 +127,6 @@ impl Chat {
             }
         }
         Ok(Prompt::Messages(messages))
-    }
-
-    /// Refuses, before anything is stored, a reply whose KV cache would pass the memory limit
-    /// (the user then picks a smaller KV cache or a new chat, and sends the same text). The
-    /// reply answers the branch ending at `parent` and `pending`. Other refusals (a prompt over
-    /// the context) are the reply's own: the message is stored and the reply records the error,
-    /// as it does while a model loads, when nothing can be checked before.
-    async fn check_reply(
-        &self,
-        conversation: i64,
-        parent: Option<i64>,
-        pending: Option<Pending<'_>>,
-    ) -> Result<()> {
-        if lock(&self.loading).is_some() || lock(&self.loaded).is_none() {
-            return Ok(());
-        }
-        let chat = self.store.conversation(conversation).await?;
-        let path = match parent {
-            Some(parent) => self.store.path_to(parent).await?,
-            None => Vec::new(),
-        };
-        let prompt = self.prompt_of(&chat, &path, pending).await?;
-        let settings = settings_of(&chat.settings);
-        let turn = Turn {
-            max_tokens: settings.max_tokens as usize,
-            max_soft_tokens: settings.max_soft_tokens as usize,
-            thinking: Some(settings.thinking),
-            kv: settings.kv,
-            memory_share: Some(self.app_settings().await?.memory_share),
-            ..Turn::new(prompt)
-        };
-        match self.engine.check(turn).await {
-            Err(error) if error.kind() == ErrorKind::OutOfMemory => Err(error),
-            _ => Ok(()),
-        }
     }
 
     /// The loaded model, checked to take `images` images.
@@ -215,10 +220,11 @@ impl Chat {
 
     /// Adds a user message (with imported images, see [`Chat::import_attachment`]) under the
     /// conversation's current tip and generates the reply, streaming [`StreamEvent`]s. Returns
-    /// the stored reply. Nothing is stored when no model is loaded or loading, or an image is
-    /// missing. While a model loads, the message is stored at once and answered when the load
-    /// ends ([`StreamEvent::Waiting`] meanwhile); if the load fails, the message stays,
-    /// unanswered, for [`Chat::answer`].
+    /// the stored reply. Nothing is stored when no model is loaded or loading, an image is
+    /// missing, or the reply's KV cache would pass the memory limit (see the module docs).
+    /// While a model loads, the message is stored at once and answered when the load ends
+    /// ([`StreamEvent::Waiting`] meanwhile); if the load fails, the message stays, unanswered,
+    /// for [`Chat::answer`].
     pub async fn send(
         &self,
         conversation: i64,
@@ -235,38 +241,37 @@ impl Chat {
         if extras(&chat.settings).0 {
             return Err(Error::Invalid("this conversation takes token ids, not text".into()));
         }
-        let message = TurnMessage {
-            role: "user".into(),
-            text: text.into(),
-            images: paths.clone(),
-            ..TurnMessage::default()
+        let attachments = files
+            .iter()
+            .zip(&paths)
+            .enumerate()
+            .map(|(position, (file, path))| {
+                let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+                let sha = file.split('.').next().unwrap_or_default().to_string();
+                (
+                    file.clone(),
+                    attachment_mime(file).to_string(),
+                    bytes as i64,
+                    sha,
+                    position as i64,
+                )
+            })
+            .collect();
+        let message = NewMessage {
+            parent: chat.current_leaf_id,
+            content: text.into(),
+            attachments,
+            title: (chat.title.is_empty() || chat.title == NEW_TITLE).then(|| title_from(text)),
+            model: Some(model),
+            pending: Pending::Message(TurnMessage {
+                role: "user".into(),
+                text: text.into(),
+                images: paths,
+                ..TurnMessage::default()
+            }),
         };
-        self.check_reply(conversation, chat.current_leaf_id, Some(Pending::Message(message)))
-            .await?;
-        let user = self
-            .store
-            .append_message(
-                conversation,
-                chat.current_leaf_id,
-                Role::User,
-                text,
-                MessageState::Complete,
-            )
-            .await?;
-        for (position, (file, path)) in files.iter().zip(&paths).enumerate() {
-            let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
-            let mime = attachment_mime(file);
-            let sha = file.split('.').next().unwrap_or_default();
-            self.store
-                .add_attachment(user.id, file, mime, bytes as i64, sha, position as i64)
-                .await?;
-        }
-        if chat.title.is_empty() || chat.title == NEW_TITLE {
-            self.store.rename_conversation(conversation, &title_from(text)).await?;
-        }
-        self.store.set_model(conversation, &model).await?;
-        let user = self.thread_message(self.store.message(user.id).await?).await?;
-        self.reply_to(conversation, user.id, files.len(), Some(user), &mut on_event).await
+        let answering = Answering::New(Box::new(message));
+        self.reply_to(conversation, answering, files.len(), &mut on_event).await
     }
 
     /// Appends token ids, verbatim, as the next turn of a raw conversation (see
@@ -285,19 +290,15 @@ impl Chat {
         if !extras(&chat.settings).0 {
             return Err(Error::Invalid("this conversation takes text, not token ids".into()));
         }
-        self.check_reply(conversation, chat.current_leaf_id, Some(Pending::Tokens(ids))).await?;
-        let user = self
-            .store
-            .append_message(
-                conversation,
-                chat.current_leaf_id,
-                Role::User,
-                &join_ids(ids),
-                MessageState::Complete,
-            )
-            .await?;
-        let user = self.thread_message(user).await?;
-        self.reply_to(conversation, user.id, 0, Some(user), &mut on_event).await
+        let message = NewMessage {
+            parent: chat.current_leaf_id,
+            content: join_ids(ids),
+            attachments: Vec::new(),
+            title: None,
+            model: None,
+            pending: Pending::Tokens(ids.to_vec()),
+        };
+        self.reply_to(conversation, Answering::New(Box::new(message)), 0, &mut on_event).await
     }
 
     /// A new reply to the same user message as `reply` (a sibling branch).
@@ -315,8 +316,7 @@ impl Chat {
             .ok_or_else(|| Error::Invalid("the first message has nothing to answer".into()))?;
         let images = self.store.attachments(parent).await?.len();
         self.answering_model(images)?;
-        self.check_reply(old.conversation_id, Some(parent), None).await?;
-        self.reply_to(old.conversation_id, parent, images, None, &mut on_event).await
+        self.reply_to(old.conversation_id, Answering::Stored(parent), images, &mut on_event).await
     }
 
     /// Answers a stored user message: one left unanswered (its model failed to load, or the
@@ -333,8 +333,7 @@ impl Chat {
         }
         let images = self.store.attachments(user.id).await?.len();
         self.answering_model(images)?;
-        self.check_reply(user.conversation_id, Some(user.id), None).await?;
-        self.reply_to(user.conversation_id, user.id, images, None, &mut on_event).await
+        self.reply_to(user.conversation_id, Answering::Stored(user.id), images, &mut on_event).await
     }
 
     /// Replaces a user message by a new version (a sibling branch, keeping its images) and
@@ -356,31 +355,52 @@ impl Chat {
             return Err(Error::Invalid("the message is empty".into()));
         }
         let files = attachments.iter().map(|a| self.attachments_dir().join(&a.path)).collect();
-        let message = TurnMessage {
-            role: "user".into(),
-            text: text.into(),
-            images: files,
-            ..TurnMessage::default()
+        let message = NewMessage {
+            parent: old.parent_id,
+            content: text.into(),
+            attachments: attachments
+                .into_iter()
+                .map(|a| (a.path, a.mime, a.bytes, a.sha256, a.position))
+                .collect(),
+            title: None,
+            model: None,
+            pending: Pending::Message(TurnMessage {
+                role: "user".into(),
+                text: text.into(),
+                images: files,
+                ..TurnMessage::default()
+            }),
         };
-        self.check_reply(old.conversation_id, old.parent_id, Some(Pending::Message(message)))
-            .await?;
-        let edited = self
+        let answering = Answering::New(Box::new(message));
+        self.reply_to(old.conversation_id, answering, images, &mut on_event).await
+    }
+
+    /// Stores `message`, a user message of `conversation`, with its images; its view.
+    async fn store_message(
+        &self,
+        conversation: i64,
+        message: &NewMessage,
+    ) -> Result<ThreadMessage> {
+        let user = self
             .store
             .append_message(
-                old.conversation_id,
-                old.parent_id,
+                conversation,
+                message.parent,
                 Role::User,
-                text,
+                &message.content,
                 MessageState::Complete,
             )
             .await?;
-        for a in attachments {
-            self.store
-                .add_attachment(edited.id, &a.path, &a.mime, a.bytes, &a.sha256, a.position)
-                .await?;
+        for (file, mime, bytes, sha, position) in &message.attachments {
+            self.store.add_attachment(user.id, file, mime, *bytes, sha, *position).await?;
         }
-        let user = self.thread_message(self.store.message(edited.id).await?).await?;
-        self.reply_to(old.conversation_id, edited.id, images, Some(user), &mut on_event).await
+        if let Some(title) = &message.title {
+            self.store.rename_conversation(conversation, title).await?;
+        }
+        if let Some(model) = &message.model {
+            self.store.set_model(conversation, model).await?;
+        }
+        self.thread_message(self.store.message(user.id).await?).await
     }
 
     /// Stops the conversation's reply in flight, if any (it is kept, marked stopped).
@@ -407,14 +427,13 @@ impl Chat {
         }
     }
 
-    /// Answers the stored user message `user` (with `images` images), once the model is
-    /// loaded.
+    /// Answers `answering` (with `images` images), once the model is loaded: a new message
+    /// is stored once its reply is admitted, or at once while a model loads.
     async fn reply_to(
         &self,
         conversation: i64,
-        user: i64,
+        answering: Answering,
         images: usize,
-        user_view: Option<ThreadMessage>,
         on_event: &mut impl FnMut(StreamEvent),
     ) -> Result<ThreadMessage> {
         let cancel = Arc::new(AtomicBool::new(false));
@@ -427,33 +446,61 @@ impl Chat {
             }
             running.insert(conversation, Generation { reply: None, stop: cancel.clone() });
         }
-        let result =
-            match self.model_when_loaded(images, &cancel, user_view.as_ref(), on_event).await {
-                Ok(_) => self.reply_inner(conversation, user, user_view, cancel, on_event).await,
-                Err(error) => {
-                    if !matches!(error, Error::Cancelled) {
-                        on_event(StreamEvent::Failed { message: error.to_string(), reply: None });
-                    }
-                    Err(error)
-                }
-            };
+        let result = self.reply_when_loaded(conversation, answering, images, &cancel, on_event);
+        let result = result.await;
         lock(&self.running).remove(&conversation);
         result
+    }
+
+    /// [`Chat::reply_to`] once the conversation is marked busy.
+    async fn reply_when_loaded(
+        &self,
+        conversation: i64,
+        answering: Answering,
+        images: usize,
+        cancel: &Arc<AtomicBool>,
+        on_event: &mut impl FnMut(StreamEvent),
+    ) -> Result<ThreadMessage> {
+        // Nothing can be admitted while a model loads: the message is kept while it waits.
+        let (answering, user_view) = match answering {
+            Answering::New(message) if lock(&self.loading).is_some() => {
+                let view = self.store_message(conversation, &message).await?;
+                (Answering::Stored(view.id), Some(view))
+            }
+            other => (other, None),
+        };
+        match self.model_when_loaded(images, cancel, user_view.as_ref(), on_event).await {
+            Ok(_) => {
+                self.reply_inner(conversation, answering, user_view, cancel.clone(), on_event).await
+            }
+            Err(error) => {
+                if !matches!(error, Error::Cancelled) {
+                    on_event(StreamEvent::Failed { message: error.to_string(), reply: None });
+                }
+                Err(error)
+            }
+        }
     }
 
     async fn reply_inner(
         &self,
         conversation: i64,
-        user: i64,
-        user_view: Option<ThreadMessage>,
+        answering: Answering,
+        mut user_view: Option<ThreadMessage>,
         cancel: Arc<AtomicBool>,
         on_event: &mut impl FnMut(StreamEvent),
     ) -> Result<ThreadMessage> {
         let chat = self.store.conversation(conversation).await?;
-        let path = self.store.path_to(user).await?;
+        let (path, new) = match answering {
+            Answering::Stored(user) => (self.store.path_to(user).await?, None),
+            Answering::New(message) => match message.parent {
+                Some(parent) => (self.store.path_to(parent).await?, Some(message)),
+                None => (Vec::new(), Some(message)),
+            },
+        };
         let settings = settings_of(&chat.settings);
         let (raw, ignore_eos) = extras(&chat.settings);
-        let prompt = self.prompt_of(&chat, &path, None).await?;
+        let prompt = self.prompt_of(&chat, &path, new.as_ref().map(|m| &m.pending)).await?;
         let memory_share = Some(self.app_settings().await?.memory_share);
         // Checkpoints of this branch's earlier nodes, by this very model, longest first.
         let identity = self.identity().filter(|_| self.checkpoints);
@@ -476,11 +523,7 @@ impl Chat {
                 }
             }
         }
-        let reply = self
-            .store
-            .append_message(conversation, Some(user), Role::Assistant, "", MessageState::Streaming)
-            .await?;
-        let checkpoint_file = format!("{conversation}/{}.safetensors", reply.id);
+        let checkpoint_file = format!("{conversation}/{}.safetensors", unique_name());
         let turn = Turn {
             resume,
             checkpoint_to: identity
@@ -502,16 +545,43 @@ impl Chat {
             thinking: Some(settings.thinking),
             ..Turn::new(prompt)
         };
+        let mut events = self.engine.reply(turn, cancel.clone())?;
+        // The engine admits the reply, or says why not, before anything else.
+        let first = events.recv().await;
+        if let Some(ReplyEvent::Failed { kind: ErrorKind::OutOfMemory, message }) = first {
+            return Err(Error::Reported { kind: ErrorKind::OutOfMemory, message });
+        }
+        let user = match (&new, path.last()) {
+            (Some(message), _) => match self.store_message(conversation, message).await {
+                Ok(view) => {
+                    let id = view.id;
+                    user_view = Some(view);
+                    id
+                }
+                Err(error) => {
+                    // Nothing stored, nothing to answer.
+                    cancel.store(true, Ordering::SeqCst);
+                    return Err(error);
+                }
+            },
+            (None, Some(user)) => user.id,
+            (None, None) => return Err(Error::Invalid("there is no message to answer".into())),
+        };
+        let reply = self
+            .store
+            .append_message(conversation, Some(user), Role::Assistant, "", MessageState::Streaming)
+            .await?;
         if let Some(generation) = lock(&self.running).get_mut(&conversation) {
             generation.reply = Some(reply.id);
         }
         let placeholder = self.thread_message(reply.clone()).await?;
         on_event(StreamEvent::Started { user: user_view, reply: placeholder });
-        let mut events = self.engine.reply(turn, cancel)?;
         let mut text = String::new();
         let mut pending = 0;
-        while let Some(event) = events.recv().await {
+        let mut next = first;
+        while let Some(event) = next.take() {
             match event {
+                ReplyEvent::Admitted => {}
                 ReplyEvent::Text { text: piece } => {
                     text.push_str(&piece);
                     on_event(StreamEvent::Text { text: piece });
@@ -571,6 +641,7 @@ impl Chat {
                     return Err(Error::Reported { kind, message });
                 }
             }
+            next = events.recv().await;
         }
         self.store.finish_reply(reply.id, &text, MessageState::Error, None).await?;
         Err(Error::Engine("the engine stopped in the middle of a reply".into()))

@@ -415,8 +415,7 @@ async fn damaged_and_missing_checkpoints_are_dropped_and_the_turn_runs_cold() {
     let f = fixture();
     let (chat, c) = ready(&f, 6).await;
     let first = chat.send(c, "Hello there.", &[], |_| {}).await.unwrap();
-    let dir = chat.checkpoints_dir().join(c.to_string());
-    let file = dir.join(format!("{}.safetensors", first.id));
+    let file = chat.checkpoint_file(first.id).await.unwrap().expect("the first checkpoint");
     // One flipped bit: detected by the file hash; the turn runs cold and the row is dropped.
     let mut bytes = std::fs::read(&file).unwrap();
     let middle = bytes.len() / 2;
@@ -427,7 +426,7 @@ async fn damaged_and_missing_checkpoints_are_dropped_and_the_turn_runs_cold() {
     assert!(stats.reused_tokens == 0, "{stats:?}");
     assert!(!file.exists(), "the damaged file is deleted");
     // A row whose file is gone: same.
-    let second_file = dir.join(format!("{}.safetensors", second.id));
+    let second_file = chat.checkpoint_file(second.id).await.unwrap().expect("the second one");
     std::fs::remove_file(&second_file).unwrap();
     let third = chat.send(c, "Once more.", &[], |_| {}).await.unwrap();
     assert!(third.stats.unwrap().reused_tokens == 0);

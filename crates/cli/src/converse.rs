@@ -94,8 +94,8 @@ async fn turn(args: &ChatArgs) -> anyhow::Result<()> {
     };
     let stored = chat.store().message(reply.id).await?.stats.unwrap_or_default();
     let stats = reply.stats.clone().context("the reply has no statistics")?;
-    let checkpoint = chat.checkpoints_dir().join(format!("{id}/{}.safetensors", reply.id));
-    let checkpoint = checkpoint.is_file().then(|| checkpoint.display().to_string());
+    let checkpoint = chat.checkpoint_file(reply.id).await?.filter(|f| f.is_file());
+    let checkpoint = checkpoint.map(|f| f.display().to_string());
     if json_out {
         let line = json!({
             "token_ids": stored.get("token_ids").cloned().unwrap_or_default(),

@@ -3,8 +3,10 @@
 //!
 //! [`ChatModel::answer`] takes the conversation as messages with images ([`Turn`]) and:
 //!
-//! 1. renders it with the model's chat template, each image decoded and sized by the model's
-//!    own preprocessor and expanded into its soft tokens ([`Prompt`]);
+//! 1. admits it once ([`ChatModel::admit`], an [`Admission`]): renders it with the model's chat
+//!    template, each image decoded and sized by the model's own preprocessor and expanded into
+//!    its soft tokens ([`Prompt`]), and refuses it, before anything runs, when an image is
+//!    unreadable, the prompt passes the context or its KV cache the memory limit;
 //! 2. restores the longest checkpoint offered whose tokens the prompt starts with, trimmed back
 //!    to where they part where the storage allows ([`ResumeCandidate`]), and refuses damaged
 //!    or foreign files without losing the turn;
@@ -25,7 +27,7 @@ mod prompt;
 mod resume;
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -357,17 +359,54 @@ impl<'t> ReplyText<'t> {
     }
 }
 
-/// A turn [`ChatModel::admit`] let through: its images, its prompt, the reply's length, the
-/// caches' plan.
-struct Admitted {
-    /// When the turn began (TTFT counts from here).
-    started: Instant,
+/// A turn [`ChatModel::admit`] let through, with what admitting it computed: its images read
+/// and sized, its prompt rendered, the reply's length within the context, the caches' plan.
+/// The turn is opened from it, however long it waits to join a batch: nothing is read or
+/// rendered twice.
+pub struct Admission {
+    /// How long admitting took (it counts toward the time to first token).
+    took: Duration,
     prepared: Vec<crate::vision::PreparedImage>,
     prompt: Vec<u32>,
     max_tokens: usize,
     plan: crate::cache::CachePlan,
-    /// Whether its KV cache fits now beside the replies decoding (always, alone).
-    fit: Fit,
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("images", &self.prepared.len())
+            .field("prompt_tokens", &self.prompt.len())
+            .field("max_tokens", &self.max_tokens)
+            .finish()
+    }
+}
+
+impl Admission {
+    /// Tokens in the prompt, images expanded.
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt.len()
+    }
+
+    /// Most tokens the reply may generate (the turn's, cut where the context ends).
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    /// Whether the turn's KV cache, projected at its longest reply, fits the memory limit
+    /// beside the replies decoding (`beside`): now, only once they end, or never (an error).
+    fn fit(&self, turn: &Turn, beside: Beside) -> Result<Fit> {
+        match turn.memory_share {
+            Some(share) => crate::memory::check_kv(
+                &self.plan,
+                &turn.kv,
+                self.prompt.len() + self.max_tokens,
+                share,
+                beside,
+            ),
+            None => Ok(Fit::Now),
+        }
+    }
 }
 
 impl ChatModel {
@@ -441,16 +480,11 @@ impl ChatModel {
         Ok(())
     }
 
-    /// Whether `turn` would be answered: its images read, its prompt within the context, its KV
-    /// cache within the memory limit. What [`ChatModel::answer`] checks first, for a caller
-    /// that wants to know before it stores anything.
-    pub fn check(&self, turn: &Turn) -> Result<()> {
-        self.admit(turn, Beside::NONE).map(|_| ())
-    }
-
-    /// The checks [`ChatModel::check`] names, and what they computed; the memory check made
-    /// beside the replies decoding with the turn (`beside`).
-    fn admit(&self, turn: &Turn, beside: Beside) -> Result<Admitted> {
+    /// Admits `turn` beside the replies decoding (`beside`; [`Beside::NONE`] alone): its
+    /// images read and sized, its prompt rendered within the context, its KV cache within the
+    /// memory limit at least once those replies end. Every refusal of a turn is made here,
+    /// before anything of it runs; what it computed comes back for the turn to open from.
+    pub fn admit(&self, turn: &Turn, beside: Beside) -> Result<Admission> {
         // TTFT counts everything from here: images, template, the checkpoint read, the prefill.
         let started = Instant::now();
         let model = self.model();
@@ -475,13 +509,11 @@ impl ChatModel {
         // A reply may use the rest of the context, no more.
         let max_tokens = turn.max_tokens.min(limit - prompt.len());
         let plan = model.cache_plan().with_kv(&turn.kv)?;
-        let fit = match turn.memory_share {
-            Some(share) => {
-                crate::memory::check_kv(&plan, &turn.kv, prompt.len() + max_tokens, share, beside)?
-            }
-            None => Fit::Now,
-        };
-        Ok(Admitted { started, prepared, prompt, max_tokens, plan, fit })
+        let mut admission = Admission { took: Duration::ZERO, prepared, prompt, max_tokens, plan };
+        // Refused here only when it would not fit even alone; beside others it may wait.
+        admission.fit(turn, beside)?;
+        admission.took = started.elapsed();
+        Ok(admission)
     }
 
     /// Answers `turn` (see the module docs), streaming each token to `on_event`, which may stop
@@ -494,25 +526,28 @@ impl ChatModel {
         on_event: impl FnMut(TurnEvent) -> Flow + 'c,
     ) -> Result<TurnOutcome> {
         let mut batch = TurnBatch::new(self);
-        match batch.join(0, turn, drafters, on_event)? {
+        let admission = batch.admit(turn)?;
+        match batch.join(0, turn, admission, drafters, on_event)? {
             Joined::Ended(outcome) => Ok(*outcome),
             Joined::Decoding => loop {
                 if let Some((_, outcome)) = batch.step()?.pop() {
                     return outcome;
                 }
             },
-            Joined::Waits { .. } | Joined::Behind => {
+            Joined::Waits { .. } | Joined::Behind(_) => {
                 Err(Error::InvalidRequest("a turn alone waited for others to end".into()))
             }
         }
     }
 
-    /// What [`ChatModel::answer`] does before the first token, once the turn is `admitted`:
+    /// What [`ChatModel::answer`] does before the first token, once the turn is admitted:
     /// its best checkpoint restored, the request made (and, for state that cannot be trimmed,
     /// the prompt's history prefilled).
-    fn open(&self, turn: &Turn, admitted: Admitted) -> Result<Opened> {
+    fn open(&self, turn: &Turn, admission: Admission) -> Result<Opened> {
         let model = self.model();
-        let Admitted { started, prepared, prompt, max_tokens, plan, .. } = admitted;
+        let Admission { took, prepared, prompt, max_tokens, plan } = admission;
+        // The time to first token counts admitting, not waiting to join a batch.
+        let started = Instant::now().checked_sub(took).unwrap_or_else(Instant::now);
         let mut stop_tokens = model.eos_token_ids();
         if let Some(tokenizer) = &self.tokenizer {
             stop_tokens.extend_from_slice(tokenizer.stop_tokens());

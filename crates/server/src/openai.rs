@@ -451,7 +451,7 @@ pub(crate) fn stream_of(
         let values = match running.next().await {
             Some(ReplyEvent::Text { text }) if text.is_empty() => Vec::new(),
             Some(ReplyEvent::Text { text }) => render(Step::Text(text)),
-            Some(ReplyEvent::Queued { .. }) => Vec::new(),
+            Some(ReplyEvent::Queued { .. } | ReplyEvent::Admitted) => Vec::new(),
             Some(ReplyEvent::Done(outcome)) => {
                 let values = render(Step::Done(&outcome));
                 return Some((values, (None, render)));

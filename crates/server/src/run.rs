@@ -64,7 +64,7 @@ impl Running {
                 ReplyEvent::StoppedWaiting => {
                     return Err(ApiError::unavailable("the completion was stopped"));
                 }
-                ReplyEvent::Text { .. } | ReplyEvent::Queued { .. } => {}
+                ReplyEvent::Text { .. } | ReplyEvent::Queued { .. } | ReplyEvent::Admitted => {}
             }
         }
         Err(ApiError::from_kind(chat::view::ErrorKind::Internal, "the reply ended without an end"))

@@ -3,15 +3,17 @@
 //! decodes among the others, and is closed as `answer` closes it (its checkpoint written at
 //! the turn's boundary). What each turn streams and returns is what `answer` gives it alone.
 //!
-//! Admission: a turn joins only when its KV cache, projected at its longest reply, fits the
-//! memory limit beside what the rows hold and may still take ([`crate::memory::check_kv`]). A
-//! turn that fits alone but not beside them is not joined ([`Joined::Waits`]): the caller
-//! keeps it and asks again once a row has left. A turn that would not fit even alone is
-//! refused, as [`ChatModel::answer`] refuses it.
+//! Admission: a turn is admitted once ([`TurnBatch::admit`]: rendered, its images read, its
+//! context and memory checked beside the rows) and joins with its [`Admission`]. It joins only
+//! when its KV cache, projected at its longest reply, fits the memory limit beside what the
+//! rows hold and may still take ([`crate::memory::check_kv`]). A turn that fits alone but not
+//! beside them is not joined ([`Joined::Waits`]): the caller keeps it, with its admission, and
+//! joins it again once a row has left. A turn that would not fit even alone is refused when it
+//! is admitted, as [`ChatModel::answer`] refuses it.
 
 use std::collections::HashMap;
 
-use super::{ChatModel, Drafters, Opened, ReplyText, Turn, TurnEvent, TurnOutcome};
+use super::{Admission, ChatModel, Drafters, Opened, ReplyText, Turn, TurnEvent, TurnOutcome};
 use crate::batch::{Batch, BatchEvent, Finished, RowId};
 use crate::generate::Flow;
 use crate::memory::{Beside, Fit};
@@ -53,16 +55,18 @@ pub enum Joined {
     /// It ended with its first token.
     Ended(Box<TurnOutcome>),
     /// Nothing ran: its KV cache fits the memory limit alone but not beside what the turns
-    /// decoding may still take. Join it again once one of them has ended.
+    /// decoding may still take. Join it again, with its admission, once one of them has ended.
     Waits {
+        /// The turn's admission, to join with again.
+        admission: Box<Admission>,
         /// Its projected KV bytes.
         needed: u64,
         /// What the limit leaves it beside the turns decoding.
         available: u64,
     },
     /// Nothing ran: a turn before it in the same [`TurnBatch::join_all`] waits, and turns join
-    /// in the order they came. Join it again after that one.
-    Behind,
+    /// in the order they came. Join it again, with this admission, after that one.
+    Behind(Box<Admission>),
 }
 
 /// Turns of one model decoding together. See the module docs.
@@ -94,23 +98,30 @@ impl<'c> TurnBatch<'c> {
         self.batch.is_empty()
     }
 
-    /// Opens `turn`, prefills it alone and streams its first token to `on_event`; the turn then
+    /// Admits `turn` beside the turns decoding ([`ChatModel::admit`]): refused when it cannot
+    /// run even alone, else what it joins with, now or once it no longer has to wait.
+    pub fn admit(&self, turn: &Turn) -> Result<Admission> {
+        self.chat.admit(turn, self.beside())
+    }
+
+    /// Opens `turn`, admitted as `admission` ([`TurnBatch::admit`]), prefills it alone and
+    /// streams its first token to `on_event`; the turn then
     /// decodes with the others at each [`TurnBatch::step`]. A turn that drafts gets its own
     /// fork of the drafter `drafters` keeps loaded (a draft model's weights are shared, its
     /// caches are the turn's, restored from the turn's checkpoint as [`ChatModel::answer`]
     /// restores them). A turn whose KV cache fits only once other turns end is not opened
     /// ([`Joined::Waits`]). Every turn joins, drafting or not, whatever its KV storage (rows
-    /// of different storages each keep their own). A turn that fails to open (an unreadable
-    /// image, a prompt over the context, a KV cache over the memory limit even alone, a
-    /// drafter that does not load) is refused, and the other turns are unaffected.
+    /// of different storages each keep their own). A turn that fails to open (a damaged
+    /// drafter, a failed prefill) is refused, and the other turns are unaffected.
     pub fn join(
         &mut self,
         id: RowId,
         turn: &Turn,
+        admission: Admission,
         drafters: &mut Drafters,
         on_event: impl FnMut(TurnEvent) -> Flow + 'c,
     ) -> Result<Joined> {
-        match self.open(id, turn, drafters, Box::new(on_event))? {
+        match self.open(id, turn, admission, drafters, Box::new(on_event))? {
             Opening::Waits(waits) => Ok(waits),
             Opening::Ready(ready) => self.enter(id, *ready),
         }
@@ -124,18 +135,20 @@ impl<'c> TurnBatch<'c> {
     /// it are not opened ([`Joined::Behind`]).
     pub fn join_all(
         &mut self,
-        turns: Vec<(RowId, &Turn, OnEvent<'c>)>,
+        turns: Vec<(RowId, &Turn, Admission, OnEvent<'c>)>,
         drafters: &mut Drafters,
     ) -> Vec<Result<Joined>> {
         let mut results: Vec<Result<Joined>> = Vec::with_capacity(turns.len());
         let mut together = Vec::new();
         let mut waits = false;
-        for (index, (id, turn, on_event)) in turns.into_iter().enumerate() {
-            results.push(Ok(Joined::Behind));
+        for (index, (id, turn, admission, on_event)) in turns.into_iter().enumerate() {
             if waits {
+                results.push(Ok(Joined::Behind(Box::new(admission))));
                 continue;
             }
-            results[index] = match self.open(id, turn, drafters, on_event) {
+            // Its place, filled below.
+            results.push(Ok(Joined::Decoding));
+            results[index] = match self.open(id, turn, admission, drafters, on_event) {
                 Err(e) => Err(e),
                 Ok(Opening::Waits(joined)) => {
                     waits = true;
@@ -159,25 +172,26 @@ impl<'c> TurnBatch<'c> {
         results
     }
 
-    /// What [`TurnBatch::join`] does before the turn's prefill: the checks, admission, its
-    /// drafter's fork and the turn opened (rendered, its checkpoint restored, its images
-    /// encoded); the turn is then one of the rows, not decoding yet.
+    /// What [`TurnBatch::join`] does before the turn's prefill: its fit beside the rows, its
+    /// drafter's fork and the turn opened from its admission (its checkpoint restored, its
+    /// images encoded); the turn is then one of the rows, not decoding yet.
     fn open(
         &mut self,
         id: RowId,
         turn: &Turn,
+        admission: Admission,
         drafters: &mut Drafters,
         on_event: OnEvent<'c>,
     ) -> Result<Opening> {
         if self.rows.contains_key(&id) {
             return Err(Error::InvalidRequest(format!("turn {id} is already in the batch")));
         }
-        let admitted = self.chat.admit(turn, self.beside())?;
-        if let Fit::AfterOthers { needed, available } = admitted.fit {
-            return Ok(Opening::Waits(Joined::Waits { needed, available }));
+        if let Fit::AfterOthers { needed, available } = admission.fit(turn, self.beside())? {
+            let admission = Box::new(admission);
+            return Ok(Opening::Waits(Joined::Waits { admission, needed, available }));
         }
         let mut method = drafters.fork(self.chat, &turn.speculation)?;
-        let mut opened = self.chat.open(turn, admitted)?;
+        let mut opened = self.chat.open(turn, admission)?;
         if let (Some(m), Some((_, contents))) = (method.as_deref_mut(), &opened.resumed) {
             // The method's own state kept with the checkpoint (a draft model's caches).
             m.resume(&contents.attachments, &contents.tokens)?;

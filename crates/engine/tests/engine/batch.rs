@@ -785,7 +785,7 @@ fn turns_that_arrive_together_prefill_as_a_cohort_and_equal_each_alone() {
                 streamed.set(streamed.get() + 1);
                 Flow::Continue
             });
-            (i as u64, t, on_event)
+            (i as u64, t, batch.admit(t).unwrap(), on_event)
         })
         .collect();
     for joined in batch.join_all(group, &mut drafters) {

@@ -152,7 +152,8 @@ fn constrained_turns_in_a_batch_equal_each_alone() {
         turns.iter().map(|t| chat.answer(t, &mut drafters, |_| Flow::Continue).unwrap()).collect();
     let mut batch = TurnBatch::new(&chat);
     for (i, t) in turns.iter().enumerate() {
-        let joined = batch.join(i as u64, t, &mut drafters, |_| Flow::Continue).unwrap();
+        let admission = batch.admit(t).unwrap();
+        let joined = batch.join(i as u64, t, admission, &mut drafters, |_| Flow::Continue).unwrap();
         assert!(matches!(joined, Joined::Decoding));
     }
     let mut together = BTreeMap::new();

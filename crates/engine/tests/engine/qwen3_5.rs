@@ -245,12 +245,13 @@ fn turns_answered_together_equal_each_alone_with_their_checkpoints() {
     let mut together = std::collections::BTreeMap::new();
     for (i, &(len, max)) in shapes.iter().enumerate() {
         let t = turn(i as u32, len, max, &format!("together{i}.safetensors"));
-        match batch.join(i as u64, &t, &mut drafters, |_| Flow::Continue).unwrap() {
+        let admission = batch.admit(&t).unwrap();
+        match batch.join(i as u64, &t, admission, &mut drafters, |_| Flow::Continue).unwrap() {
             Joined::Decoding => {}
             Joined::Ended(outcome) => {
                 together.insert(i as u64, *outcome);
             }
-            Joined::Waits { .. } | Joined::Behind => panic!("no memory limit was set"),
+            Joined::Waits { .. } | Joined::Behind(_) => panic!("no memory limit was set"),
         }
         batch.step().unwrap().into_iter().for_each(|(id, outcome)| {
             together.insert(id, outcome.unwrap());
@@ -576,4 +577,42 @@ fn image_conversations_resume_from_checkpoints_as_cold_runs() {
         assert_eq!(warm.stats.reused_tokens, checkpoint.tokens.len(), "{speculation:?}");
         assert_eq!(warm.tokens, cold.tokens, "{speculation:?}: resumed = cold");
     }
+}
+
+/// A turn is admitted once: its image read, its prompt rendered and its memory checked when it
+/// is admitted, and it joins with what the admission read: the image's file may be gone by
+/// then, and the reply is still mlx-vlm's greedy. Admitting it again reads the file again, and
+/// the missing file is named.
+#[test]
+fn a_turn_is_admitted_once_and_joins_with_what_its_admission_read() {
+    let chat = ChatModel::load(&golden_dir("vision"), &engine::LoadOptions::default()).unwrap();
+    let golden = vision_golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("photo.png");
+    std::fs::copy(image_path("rgb_640x480.png"), &image).unwrap();
+    let turn = Turn {
+        max_tokens: 8,
+        max_soft_tokens: 64,
+        ..Turn::new(Prompt::Tokens { ids: ints(&golden["prompt"]), images: vec![image.clone()] })
+    };
+    let mut batch = TurnBatch::new(&chat);
+    let admission = batch.admit(&turn).unwrap();
+    assert_eq!(admission.prompt_tokens(), ints(&golden["prompt"]).len());
+    assert_eq!(admission.max_tokens(), 8);
+    std::fs::remove_file(&image).unwrap();
+    let mut drafters = Drafters::new(engine::LoadOptions::default());
+    let mut tokens = Vec::new();
+    let mut outcome =
+        match batch.join(0, &turn, admission, &mut drafters, |_| Flow::Continue).unwrap() {
+            Joined::Ended(outcome) => Some(*outcome),
+            Joined::Decoding => None,
+            other => panic!("no memory limit was set: {other:?}"),
+        };
+    while outcome.is_none() {
+        outcome = batch.step().unwrap().pop().map(|(_, o)| o.unwrap());
+    }
+    tokens.extend(outcome.unwrap().tokens);
+    assert_eq!(tokens, ints(&golden["greedy"])[..8], "the admitted image's reply");
+    let again = batch.admit(&turn).unwrap_err().to_string();
+    assert!(again.contains("photo.png"), "names the missing image: {again}");
 }
