@@ -6,18 +6,12 @@ use mlx::fast::{RopeFrequencies, RopeOffset};
 use mlx::{Array, Dtype, fast};
 
 use super::config::TextConfig;
+use crate::Phase;
 use crate::checkpoint::{Matrix, Weights};
 use crate::nn::{Linear, RmsNorm, gather_product};
 use cache::backend::Ops;
 use cache::{AttentionCache, DeltaHeads, DeltaShape, GatedDeltaCache, GatedDeltaLayer};
 use cache::{Error, Result};
-
-/// How a forward pass appends: the phase, named.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Append {
-    Window,
-    Decode,
-}
 
 /// Where a pass's positions are rotated to: consecutive positions from one start (text, the
 /// fast rope), or explicit cosines and sines `[1, 1, T, rotary_dims]` of each position's
@@ -82,7 +76,7 @@ impl Attention {
         &self,
         x: &Array,
         cache: &mut dyn AttentionCache,
-        append: Append,
+        phase: Phase,
         rope_at: RopeAt<'_>,
         ops: &Ops,
     ) -> Result<Array> {
@@ -125,9 +119,9 @@ impl Attention {
             }
         };
         let (queries, keys) = (rope(&queries)?, rope(&keys)?);
-        let read = match append {
-            Append::Window => cache.append_window(&keys, &values)?,
-            Append::Decode => cache.append_decode(&keys, &values)?,
+        let read = match phase {
+            Phase::Window => cache.append_window(&keys, &values)?,
+            Phase::Decode => cache.append_decode(&keys, &values)?,
         };
         let out = read.attend(&queries, (f64::from(d)).powf(-0.5) as f32)?;
         let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, self.heads * d])?;
@@ -213,7 +207,7 @@ impl DeltaNet {
         &self,
         x: &Array,
         cache: &mut dyn GatedDeltaCache,
-        append: Append,
+        phase: Phase,
         ops: &Ops,
     ) -> Result<Array> {
         let s = x.shape();
@@ -223,9 +217,9 @@ impl DeltaNet {
         let z = self.in_proj_z.forward(x, ops)?.reshape(&[b, l, hv, dv])?;
         let beta_in = self.in_proj_b.forward(x, ops)?;
         let a = self.in_proj_a.forward(x, ops)?;
-        let out = match append {
-            Append::Window => cache.recur_window(&qkv, &a, &beta_in, self)?,
-            Append::Decode => cache.recur_decode(&qkv, &a, &beta_in, self)?,
+        let out = match phase {
+            Phase::Window => cache.recur_window(&qkv, &a, &beta_in, self)?,
+            Phase::Decode => cache.recur_decode(&qkv, &a, &beta_in, self)?,
         };
         // mlx-lm's gated RMSNorm: rms_norm(y)·w, then silu(z)·that in float32, cast back.
         let normed = self.norm.forward(&out)?;

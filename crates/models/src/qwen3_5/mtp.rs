@@ -21,12 +21,12 @@ use mlx::{Array, ops};
 use serde_json::Value;
 
 use super::config::TextConfig;
-use super::layers::{Append, NormLoader, RopeAt};
+use super::layers::{NormLoader, RopeAt};
 use super::text::Layer;
 use crate::checkpoint::ModelDir;
 use crate::nn::{Linear, RmsNorm};
 use crate::options::LoadOptions;
-use crate::{DraftMethod, RecurrentMtpRows, Target, TargetPort, target_lacks};
+use crate::{DraftMethod, Phase, RecurrentMtpRows, Target, TargetPort, target_lacks};
 use cache::backend::Ops;
 use cache::{Cache, CachePlan, KvShape, Storage};
 use cache::{Error, Result};
@@ -125,11 +125,13 @@ impl Qwen35Mtp {
         let embedded = self.pre_fc_norm_embedding.forward(&port.embed(&ids)?)?;
         let joined = ops::concatenate(&[&embedded, &self.pre_fc_norm_hidden.forward(hidden)?], -1)?;
         let mut h = self.fc.forward(&joined, &self.ops)?;
-        let append = if tokens.len() == 1 { Append::Decode } else { Append::Window };
+        // The positions replayed after a round: one is read as one query reads (no mask, the
+        // arithmetic of mlx-vlm's head and of a draft step), several as a causal window.
+        let phase = if tokens.len() == 1 { Phase::Decode } else { Phase::Window };
         for (i, (layer, cache)) in self.layers.iter().zip(self.caches.iter_mut()).enumerate() {
             // The head's own positions: its cache's offset (as mlx-vlm's drafter rotates).
             let start = RopeAt::Start(cache.offset() as i32);
-            h = layer.forward(i, &h, cache.as_mut(), append, start, &self.ops)?;
+            h = layer.forward(i, &h, cache.as_mut(), phase, start, &self.ops)?;
         }
         self.norm.forward(&h)
     }

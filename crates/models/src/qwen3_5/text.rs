@@ -7,7 +7,7 @@ use mlx::Array;
 use serde_json::Value;
 
 use super::config::TextConfig;
-use super::layers::{Append, Attention, DeltaNet, Mlp, Moe, NormLoader, RopeAt, wrong_cache};
+use super::layers::{Attention, DeltaNet, Mlp, Moe, NormLoader, RopeAt, wrong_cache};
 use super::processor::{ImageSettings, QwenImages};
 use super::vision::{QwenVision, VisionConfig};
 use crate::checkpoint::{ModelDir, Weights};
@@ -73,13 +73,13 @@ impl Layer {
         })
     }
 
-    /// `h` through the layer, appending to its `cache` (layer `i`, for messages) with `append`.
+    /// `h` through the layer, appending to its `cache` (layer `i`, for messages) in `phase`.
     pub(super) fn forward(
         &self,
         i: usize,
         h: &Array,
         cache: &mut dyn Cache,
-        append: Append,
+        phase: Phase,
         rope_at: RopeAt<'_>,
         ops: &Ops,
     ) -> Result<Array> {
@@ -90,13 +90,13 @@ impl Layer {
                 let cache = cache
                     .as_attention_mut()
                     .ok_or_else(|| wrong_cache(i, "full attention", &signature))?;
-                attention.forward(&normed, cache, append, rope_at, ops)?
+                attention.forward(&normed, cache, phase, rope_at, ops)?
             }
             Mixer::Delta(delta) => {
                 let cache = cache
                     .as_gated_delta_mut()
                     .ok_or_else(|| wrong_cache(i, "gated DeltaNet", &signature))?;
-                delta.forward(&normed, cache, append, ops)?
+                delta.forward(&normed, cache, phase, ops)?
             }
         };
         let h = h.add(&mixed)?;
@@ -252,19 +252,19 @@ impl Qwen35Text {
         Ok(Some(rows.next_positions().iter().map(|&p| p as i32).collect()))
     }
 
-    /// `h` `[B, T, H]` through every layer (appending with `append`, rotated at `rope_at`), then
+    /// `h` `[B, T, H]` through every layer (appending in `phase`, rotated at `rope_at`), then
     /// the head over `rows`.
     fn run(
         &self,
         mut h: Array,
         caches: &mut [Box<dyn Cache>],
-        append: Append,
+        phase: Phase,
         rope_at: RopeAt<'_>,
         rows: Rows,
     ) -> Result<Array> {
         let ops = &self.ops;
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
-            h = layer.forward(i, &h, cache.as_mut(), append, rope_at, ops)?;
+            h = layer.forward(i, &h, cache.as_mut(), phase, rope_at, ops)?;
         }
         if rows == Rows::Last && h.dim(1)? > 1 {
             let s = h.shape();
@@ -372,10 +372,6 @@ impl Model for Qwen35Text {
         rows: Rows,
     ) -> Result<Array> {
         self.check_caches(caches)?;
-        let append = match phase {
-            Phase::Window => Append::Window,
-            Phase::Decode => Append::Decode,
-        };
         let length = tokens.dim(1)? as usize;
         let h = self.embed_tokens.forward(tokens)?;
         // A batch: each row from its own position (a lone row's as a single sequence's).
@@ -385,7 +381,7 @@ impl Model for Qwen35Text {
                 [start] => RopeAt::Start(*start),
                 _ => RopeAt::Rows(&array),
             };
-            let logits = self.run(h, caches, append, rope_at, rows)?;
+            let logits = self.run(h, caches, phase, rope_at, rows)?;
             if let Some(p) = caches.last_mut().and_then(|c| c.as_position_rows_mut()) {
                 p.advance(length);
             }
@@ -395,7 +391,7 @@ impl Model for Qwen35Text {
             Some(p) => p.next_position(),
             None => cache::stack_offset(caches) as i64,
         };
-        let logits = self.run(h, caches, append, RopeAt::Start(start as i32), rows)?;
+        let logits = self.run(h, caches, phase, RopeAt::Start(start as i32), rows)?;
         if let Some(p) = self.positions(caches)? {
             p.advance(length);
         }
@@ -484,7 +480,7 @@ impl Model for Qwen35Text {
         let h = mlx::ops::concatenate(&pieces.iter().collect::<Vec<_>>(), 1)?;
         let (cos, sin) = self.mrope_table(&positions, embedded.dtype())?;
         let logits =
-            self.run(h, caches, Append::Window, RopeAt::Table { cos: &cos, sin: &sin }, rows)?;
+            self.run(h, caches, Phase::Window, RopeAt::Table { cos: &cos, sin: &sin }, rows)?;
         if let Some(p) = self.positions(caches)? {
             p.advance_to(length, next);
         }
