@@ -442,15 +442,14 @@ impl Together<'_, '_> {
         arrivals.retain_mut(|p| self.admit(p));
         let ids: Vec<RowId> = (0..arrivals.len() as RowId).map(|i| self.next + i).collect();
         self.next += arrivals.len() as RowId;
-        let mut admissions: Vec<Admission> = Vec::with_capacity(arrivals.len());
-        for p in &mut arrivals {
-            admissions.extend(p.admission.take().map(|a| *a));
-        }
         let group = arrivals
-            .iter()
+            .iter_mut()
             .zip(&ids)
-            .zip(admissions)
-            .map(|((p, &id), admission)| (id, &*p.turn, admission, stream_to(p)))
+            .filter_map(|(p, &id)| {
+                let admission = *p.admission.take()?;
+                let p: &Pending = p;
+                Some((id, &*p.turn, admission, stream_to(p)))
+            })
             .collect();
         let results = self.batch.join_all(group, self.drafters);
         for ((pending, id), joined) in arrivals.into_iter().zip(ids).zip(results) {

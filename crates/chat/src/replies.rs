@@ -40,6 +40,18 @@ pub(crate) enum Pending {
     Tokens(Vec<u32>),
 }
 
+impl Pending {
+    /// A user message of `text` with its `images`.
+    fn user(text: &str, images: Vec<std::path::PathBuf>) -> Pending {
+        Pending::Message(TurnMessage {
+            role: "user".into(),
+            text: text.into(),
+            images,
+            ..TurnMessage::default()
+        })
+    }
+}
+
 /// A user message to store under `parent` once its reply is admitted.
 pub(crate) struct NewMessage {
     parent: Option<i64>,
@@ -263,12 +275,7 @@ impl Chat {
             attachments,
             title: (chat.title.is_empty() || chat.title == NEW_TITLE).then(|| title_from(text)),
             model: Some(model),
-            pending: Pending::Message(TurnMessage {
-                role: "user".into(),
-                text: text.into(),
-                images: paths,
-                ..TurnMessage::default()
-            }),
+            pending: Pending::user(text, paths),
         };
         let answering = Answering::New(Box::new(message));
         self.reply_to(conversation, answering, files.len(), &mut on_event).await
@@ -364,12 +371,7 @@ impl Chat {
                 .collect(),
             title: None,
             model: None,
-            pending: Pending::Message(TurnMessage {
-                role: "user".into(),
-                text: text.into(),
-                images: files,
-                ..TurnMessage::default()
-            }),
+            pending: Pending::user(text, files),
         };
         let answering = Answering::New(Box::new(message));
         self.reply_to(old.conversation_id, answering, images, &mut on_event).await

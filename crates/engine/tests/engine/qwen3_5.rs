@@ -601,7 +601,6 @@ fn a_turn_is_admitted_once_and_joins_with_what_its_admission_read() {
     assert_eq!(admission.max_tokens(), 8);
     std::fs::remove_file(&image).unwrap();
     let mut drafters = Drafters::new(engine::LoadOptions::default());
-    let mut tokens = Vec::new();
     let mut outcome =
         match batch.join(0, &turn, admission, &mut drafters, |_| Flow::Continue).unwrap() {
             Joined::Ended(outcome) => Some(*outcome),
@@ -611,7 +610,7 @@ fn a_turn_is_admitted_once_and_joins_with_what_its_admission_read() {
     while outcome.is_none() {
         outcome = batch.step().unwrap().pop().map(|(_, o)| o.unwrap());
     }
-    tokens.extend(outcome.unwrap().tokens);
+    let tokens = outcome.unwrap().tokens;
     assert_eq!(tokens, ints(&golden["greedy"])[..8], "the admitted image's reply");
     let again = batch.admit(&turn).unwrap_err().to_string();
     assert!(again.contains("photo.png"), "names the missing image: {again}");
