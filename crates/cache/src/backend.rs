@@ -206,6 +206,22 @@ impl Ops {
         mlx::attend_one(q, k, v, scale)
     }
 
+    /// Attention for one query position per row, `q` `[B, Hq, 1, D]`, over `k`, `v`
+    /// `[B, Hkv, S, D]` under `mask` (bool `[B, 1, 1, S]`, true = visible): rows of a batch
+    /// whose shared buffers hold slots a row has not filled. By MLX's ops, whose shapes a
+    /// shapeless compiled step infers again when `S` changes (MLX's fused attention's own
+    /// fallback keeps the length it was traced with).
+    pub fn attend_one_masked(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+        mask: &Array,
+    ) -> Result<Array> {
+        mlx::attend_one_by_ops(q, k, v, scale, Some(mask))
+    }
+
     /// Keys past which a one-query read runs split, in kernels of their own that are compiled
     /// on first use (a stall of a second or two): a warm-up that decodes past it builds them
     /// before the first reply. `None` where no read splits.

@@ -6,22 +6,28 @@
 //! is everything that changes between steps: the position the rotary embedding starts at, how
 //! many positions each cache holds, where a ring writes. So each of those is a closure input:
 //!
-//! - the position is an int32 array, not a number baked into the graph;
+//! - the position is an int32 array, not a number baked into the graph (one per row in a
+//!   batch);
 //! - each cache declares its slot ([`CompiledDecodeCache::begin_decode_step`]):
-//!   [`DecodeFetch::Concat`](crate::DecodeFetch::Concat) — the step reads `concat(stored, new)`, which then becomes what
-//!   the cache stores (a growing buffer and a filling ring), or [`DecodeFetch::Ring`](crate::DecodeFetch::Ring) — the
-//!   step writes the new position into the full ring at a slot given as an array and reads
-//!   the whole ring, in place because the cache hands its buffers over;
+//!   [`DecodeFetch::Concat`](crate::DecodeFetch::Concat) — the step reads `concat(stored,
+//!   new)`, which then becomes what the cache stores (a growing buffer and a filling ring);
+//!   [`DecodeFetch::Ring`](crate::DecodeFetch::Ring) — the step writes the new position into
+//!   the full ring at a slot given as an array and reads the whole ring, in place because the
+//!   cache hands its buffers over; [`DecodeFetch::Rows`](crate::DecodeFetch::Rows) — rows of
+//!   a batch sharing buffers ([`crate::SlotRows`]): each row's new position goes to its own
+//!   slot (an array), in place, and each row reads the buffers under a mask (an array) that
+//!   hides the slots it has not filled;
 //! - the graph is shapeless, so one trace serves every length of stored positions; its body
 //!   runs [`crate::backend::Ops::shapeless`] (MLX's ops, gathers where a slice's shape could
 //!   not be inferred; a custom kernel's output shape cannot be either, so none runs in it).
 //!
-//! One graph is traced per sequence of slot kinds and codecs (in practice two per model and KV
-//! format: while the sliding windows fill, and after) and kept by the model for every later step and
-//! generation. A step that cannot be compiled (a cache inside a speculative round, an empty
-//! cache, a storage without a compiled step) runs uncompiled; a graph that fails to build or run
-//! switches compiled decode off for the model and the step runs uncompiled, with a warning, so
-//! a reply never fails for it. Whether a model compiles at all is a load option
+//! One graph is traced per row count and sequence of slot kinds and codecs (in practice two
+//! per row count, model and KV format: while the sliding windows fill, and after; rows sharing
+//! buffers one) and kept by the model for every later step and generation. A step that cannot
+//! be compiled (a cache inside a speculative round, an empty cache, rows each in its own
+//! storage, a storage without a compiled step) runs uncompiled; a graph that fails to build or
+//! run switches compiled decode off for the model and the step runs uncompiled, with a warning,
+//! so a reply never fails for it. Whether a model compiles at all is a load option
 //! (the models' `LoadOptions::compiled_decode`).
 
 use std::cell::{Cell, RefCell};
@@ -39,6 +45,8 @@ pub struct DecodeGraphStats {
     pub graphs: usize,
     /// Decode steps that ran compiled.
     pub steps: usize,
+    /// Of those, steps of two or more rows (a batch's rows sharing buffers).
+    pub batched: usize,
     /// Decode steps that ran uncompiled (compiled decode off, or a cache could not take part).
     pub uncompiled: usize,
 }
@@ -85,16 +93,17 @@ impl DecodeGraphs {
         self.stats.set(stats);
     }
 
-    /// Runs one compiled decode step for `token` `[1, 1]` at `position` over `caches`, with
-    /// the graph `build` traces for the caches' slot kinds (built on first use). The graph's
-    /// inputs are `[token, position, slot inputs…]`; its outputs are the model's `extra`
-    /// outputs followed by two per slot. Returns the model's outputs, or `None` when the step
+    /// Runs one compiled decode step for `tokens` `[B, 1]` at `positions` (an int32 scalar for
+    /// one row, `[B]` for rows at positions of their own) over `caches`, with the graph `build`
+    /// traces for the row count and the caches' slot kinds (built on first use). The graph's
+    /// inputs are `[tokens, positions, slot inputs…]`; its outputs are the model's `extra`
+    /// outputs followed by each slot's. Returns the model's outputs, or `None` when the step
     /// must run uncompiled (the caches are then untouched).
     pub fn step(
         &self,
         caches: &mut [Box<dyn Cache>],
-        token: &Array,
-        position: usize,
+        tokens: &Array,
+        positions: &Array,
         extra: usize,
         build: impl FnOnce(Vec<SlotKind>) -> Result<Compiled>,
     ) -> Result<Option<Vec<Array>>> {
@@ -102,6 +111,8 @@ impl DecodeGraphs {
             self.count(|s| s.uncompiled += 1);
             return Ok(None);
         }
+        // A graph per row count: the rows are in the shapes of what the step broadcasts.
+        let rows = tokens.dim(0)?;
         let mut slots: Vec<DecodeSlot> = Vec::with_capacity(caches.len());
         for cache in caches.iter_mut() {
             let slot = match compiled_of(cache.as_mut()) {
@@ -119,8 +130,9 @@ impl DecodeGraphs {
             }
         }
         let kinds: Vec<SlotKind> = slots.iter().map(|s| s.kind.clone()).collect();
-        let key: String = kinds.iter().map(SlotKind::key).collect::<Vec<_>>().join(",");
-        let outputs = self.call(&key, kinds, token, position, &slots, build);
+        let key =
+            format!("{rows}:{}", kinds.iter().map(SlotKind::key).collect::<Vec<_>>().join(","));
+        let outputs = self.call(&key, kinds, tokens, positions, &slots, build);
         let outputs = match outputs {
             Ok(outputs)
                 if outputs.len()
@@ -154,7 +166,10 @@ impl DecodeGraphs {
                 }
             }
         }
-        self.count(|s| s.steps += 1);
+        self.count(|s| {
+            s.steps += 1;
+            s.batched += usize::from(rows > 1);
+        });
         Ok(Some(model))
     }
 
@@ -162,8 +177,8 @@ impl DecodeGraphs {
         &self,
         key: &str,
         kinds: Vec<SlotKind>,
-        token: &Array,
-        position: usize,
+        tokens: &Array,
+        positions: &Array,
         slots: &[DecodeSlot],
         build: impl FnOnce(Vec<SlotKind>) -> Result<Compiled>,
     ) -> Result<Vec<Array>> {
@@ -172,8 +187,7 @@ impl DecodeGraphs {
             self.graphs.borrow_mut().insert(key.to_string(), graph);
             self.count(|s| s.graphs += 1);
         }
-        let position = Array::scalar(position as i32)?;
-        let mut inputs: Vec<&Array> = vec![token, &position];
+        let mut inputs: Vec<&Array> = vec![tokens, positions];
         inputs.extend(slots.iter().flat_map(|s| s.inputs.iter()));
         let graphs = self.graphs.borrow();
         let graph = graphs.get(key).ok_or_else(|| {

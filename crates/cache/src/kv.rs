@@ -291,12 +291,14 @@ impl Codec {
     ) -> Result<Array> {
         let (keys, values) = self.split(parts)?;
         match (self, keys, values) {
-            (Codec::Full, [k], [v]) => {
-                if matches!(mask, AttentionMask::None) && q.dim(2)? == 1 {
-                    return ops.attend_one(q, k, v, scale);
+            (Codec::Full, [k], [v]) => match mask {
+                AttentionMask::None if q.dim(2)? == 1 => ops.attend_one(q, k, v, scale),
+                // Rows sharing buffers in a compiled step (their length changes under it).
+                AttentionMask::Array(m) if ops.is_shapeless() && q.dim(2)? == 1 => {
+                    ops.attend_one_masked(q, k, v, scale, m)
                 }
-                Ok(scaled_dot_product_attention(q, k, v, scale, mask, None)?)
-            }
+                mask => Ok(scaled_dot_product_attention(q, k, v, scale, mask, None)?),
+            },
             (Codec::Affine { bits, group_size }, [kw, ks, kb], [vw, vs, vb]) => {
                 let keys = matrix(kw, ks, kb, *group_size, *bits);
                 let values = matrix(vw, vs, vb, *group_size, *bits);

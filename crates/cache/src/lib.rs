@@ -417,6 +417,13 @@ pub enum DecodeFetch {
     /// whole ring: inputs the ring's parts and the slot (an int32 scalar), outputs the updated
     /// ring. The cache hands its buffers over, so the write happens in place.
     Ring,
+    /// Rows sharing buffers (a batch of two or more rows, [`SlotRows`]): the step writes
+    /// every row's new position into that row's next slot and reads every slot under a mask
+    /// that hides the slots a row has not filled: inputs the buffers' parts `[B, H, capacity,
+    /// ·]`, the slots (int32 `[B, 1, 1, 1]`) and the mask (bool `[B, 1, 1, capacity]`),
+    /// outputs the updated buffers. The rows hand their buffers over, so the writes happen in
+    /// place.
+    Rows,
 }
 
 /// What a compiled step's graph is traced for, per cache: how the slot is read and written,
@@ -434,6 +441,7 @@ impl SlotKind {
         match self.fetch {
             DecodeFetch::Concat => self.outputs(),
             DecodeFetch::Ring => self.outputs() + 1,
+            DecodeFetch::Rows => self.outputs() + 2,
         }
     }
 
@@ -447,6 +455,7 @@ impl SlotKind {
         let fetch = match self.fetch {
             DecodeFetch::Concat => 'c',
             DecodeFetch::Ring => 'r',
+            DecodeFetch::Rows => 'b',
         };
         format!("{fetch}:{}", self.codec.name())
     }

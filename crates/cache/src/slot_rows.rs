@@ -23,8 +23,8 @@ use mlx::{Array, ops};
 
 use super::kv::{self, Precision};
 use super::{
-    AttentionCache, AttentionRead, BatchRows, Cache, CacheState, ReadMask, check_append,
-    round_error,
+    AttentionCache, AttentionRead, BatchRows, Cache, CacheState, CompiledDecodeCache, DecodeFetch,
+    DecodeSlot, ReadMask, SlotKind, check_append, round_error,
 };
 use crate::backend::Ops;
 use crate::error::{Error, Result};
@@ -284,6 +284,52 @@ impl Shared {
         Ok(row)
     }
 
+    /// The codec every row stores in.
+    fn codec(&self) -> Result<kv::Codec> {
+        let first = self.rows.first().ok_or_else(|| Error::InvalidRequest("no rows".into()))?;
+        Ok(first.precision.codec().clone())
+    }
+
+    /// The slot of a compiled step ([`DecodeFetch::Rows`]): the buffers (grown first where a
+    /// row's next slot is past them, and handed over), each row's next slot, and the mask of
+    /// the slots each row sees once its new position is written. `None` while no row stores
+    /// a position yet.
+    fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
+        let Some(first) = self.rows.first() else {
+            return Ok(None);
+        };
+        let window = first.window;
+        let codec = self.codec()?;
+        let slots: Vec<i32> = self.rows.iter().map(|r| r.cursor as i32).collect();
+        let highest = slots.iter().copied().max().unwrap_or(0) as usize;
+        let Some(parts) = self.parts.take() else {
+            return Ok(None);
+        };
+        let capacity = Shared::capacity_for(window, highest + 1);
+        let mut inputs = match Shared::grow(&parts, capacity) {
+            Ok(grown) => grown,
+            Err(e) => {
+                self.parts = Some(parts);
+                return Err(e);
+            }
+        };
+        drop(parts);
+        let capacity = kv::position_count(&inputs)?;
+        let rows = self.rows.len() as i32;
+        let mut visible = Vec::with_capacity(self.rows.len() * capacity);
+        for row in &self.rows {
+            let filled = match row.window {
+                Some(window) => (row.stored + 1).min(window),
+                None => row.stored + 1,
+            };
+            visible.extend((0..capacity).map(|j| j < filled));
+        }
+        inputs.push(Array::from_slice(&slots, &[rows, 1, 1, 1])?);
+        inputs.push(Array::from_slice(&visible, &[rows, 1, 1, capacity as i32])?);
+        let kind = SlotKind { fetch: DecodeFetch::Rows, codec };
+        Ok(Some(DecodeSlot { kind, inputs }))
+    }
+
     /// Every row's new position (`[B, H, 1, D]`) into its next slot; the read of every row's
     /// filled slots.
     fn append_decode(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
@@ -536,12 +582,50 @@ impl AttentionCache for SlotRows {
         Err(Error::InvalidRequest("a batch of rows has no donor read: extract the row".into()))
     }
 
-    /// A lone row takes part in a compiled decode step through its own storage; shared rows
-    /// run op by op.
-    fn compiled(&mut self) -> Option<&mut dyn super::CompiledDecodeCache> {
+    /// A lone row takes part in a compiled decode step through its own storage; rows sharing
+    /// buffers take part together ([`DecodeFetch::Rows`]).
+    fn compiled(&mut self) -> Option<&mut dyn CompiledDecodeCache> {
+        if matches!(self.layout, Layout::Shared(_)) {
+            return Some(self);
+        }
         match &mut self.layout {
             Layout::Lone(row) => row.as_attention_mut()?.compiled(),
             _ => None,
+        }
+    }
+}
+
+/// Rows sharing buffers in a compiled decode step: every row's slot and what it will see are
+/// the step's inputs, as [`Shared::append_decode`] computes them op by op.
+impl CompiledDecodeCache for SlotRows {
+    fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
+        let Layout::Shared(shared) = &mut self.layout else {
+            return Ok(None);
+        };
+        shared.begin_decode_step()
+    }
+
+    fn end_decode_step(&mut self, fetch: DecodeFetch, outputs: Vec<Array>) -> Result<()> {
+        let Layout::Shared(shared) = &mut self.layout else {
+            return Err(Error::InvalidRequest("a compiled step's rows left the batch".into()));
+        };
+        if fetch != DecodeFetch::Rows {
+            return Err(Error::InvalidRequest("rows sharing buffers are read as rows".into()));
+        }
+        let codec = shared.codec()?;
+        super::step_outputs(&outputs, &codec)?;
+        shared.parts = Some(outputs);
+        for row in &mut shared.rows {
+            row.advance();
+        }
+        Ok(())
+    }
+
+    fn abort_decode_step(&mut self, slot: DecodeSlot) {
+        if let Layout::Shared(shared) = &mut self.layout {
+            let mut inputs = slot.inputs;
+            inputs.truncate(slot.kind.outputs());
+            shared.parts = Some(inputs);
         }
     }
 }

@@ -5,7 +5,7 @@ use mlx::Array;
 
 use super::kv;
 use super::{
-    AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, SlotKind, check_append,
+    AttentionCache, AttentionRead, Cache, CacheState, DecodeFetch, ReadMask, SlotKind, check_append,
 };
 use crate::backend::Ops;
 use crate::error::{Error, Result};
@@ -83,22 +83,33 @@ impl AttentionCache for TraceCache {
         check_append(keys, values, true)?;
         let codec = &self.kind.codec;
         let new = codec.encode_kv(keys, values)?;
-        let stored = &self.inputs[..self.kind.outputs()];
+        let (stored, rest) = self.inputs.split_at(self.kind.outputs());
         let parts = match self.kind.fetch {
             DecodeFetch::Concat => kv::concat_positions(stored, &new)?,
-            DecodeFetch::Ring => {
-                let slot = &self.inputs[self.kind.outputs()];
-                stored
-                    .iter()
-                    .zip(&new)
-                    .map(|(buffer, n)| Ok(buffer.slice_update_dynamic(n, slot, &[2])?))
-                    .collect::<Result<Vec<_>>>()?
-            }
+            DecodeFetch::Ring => stored
+                .iter()
+                .zip(&new)
+                .map(|(buffer, n)| Ok(buffer.slice_update_dynamic(n, &rest[0], &[2])?))
+                .collect::<Result<Vec<_>>>()?,
+            DecodeFetch::Rows => stored
+                .iter()
+                .zip(&new)
+                .map(|(buffer, n)| Ok(buffer.put_along_axis(&rest[0], n, 2)?))
+                .collect::<Result<Vec<_>>>()?,
         };
         self.outputs = parts.clone();
-        // Every stored position is visible to the new one: a ring only takes part once full,
-        // when it holds exactly the window.
-        Ok(AttentionRead::one_query(parts, codec, &self.ops))
+        match self.kind.fetch {
+            // Each row sees the slots it has filled, the new one included.
+            DecodeFetch::Rows => {
+                let mask = ReadMask::Array(rest[1].clone());
+                Ok(AttentionRead::masked(parts, codec, mask, &self.ops))
+            }
+            // Every stored position is visible to the new one: a ring only takes part once
+            // full, when it holds exactly the window.
+            DecodeFetch::Concat | DecodeFetch::Ring => {
+                Ok(AttentionRead::one_query(parts, codec, &self.ops))
+            }
+        }
     }
     fn append_window(&mut self, _: &Array, _: &Array) -> Result<AttentionRead> {
         Err(trace_only())

@@ -16,7 +16,8 @@
 //! they join and leave. Gated DeltaNet state sits in [`crate::cache::RecurrentRows`], one
 //! recurrence for every row, and a multimodal-RoPE model's position shifts in
 //! [`crate::cache::PositionRows`]. The model rotates each row at its own position
-//! ([`crate::cache::Cache::row_offsets`]). A lone row runs the model's compiled step. Steps
+//! ([`crate::cache::Cache::row_offsets`]). A decode step runs the model's compiled step where
+//! it has one: for a lone row, and for rows sharing buffers (a graph per row count). Steps
 //! are pipelined: a pass is built on the tokens the last one sampled before they are read,
 //! unless a row's penalties read them first or one drafts this step. Each row samples its own
 //! logits with its own [`Sampler`] (seed, temperature, penalties, output grammar), stops on
@@ -634,11 +635,8 @@ impl<'m> Batch<'m> {
         };
         let batch = feeds.len() as i32;
         let starts = self.row_offsets();
-        // A lone row decodes through the model's compiled step where it has one.
-        let logits = match self.rows.len() {
-            1 => self.model.forward_decode(&ids, &mut self.layers)?,
-            _ => self.model.forward(&ids, &mut self.layers, Phase::Decode)?,
-        };
+        // Through the model's compiled step where it has one for these rows.
+        let logits = self.model.forward_decode(&ids, &mut self.layers)?;
         let vocab = logits.dim(-1)?;
         let logits = logits.reshape(&[batch, vocab])?;
         let mut sampled = Vec::with_capacity(self.rows.len());

@@ -28,16 +28,90 @@ use crate::vision::Vision;
 use cache::backend::Ops;
 use cache::compiled::DecodeGraphs;
 use cache::kv_file::Attachment;
-use cache::{AttentionRead, Cache, CachePlan};
+use cache::{AttentionCache, AttentionRead, Cache, CachePlan, GatedDeltaCache, GatedDeltaLayer};
 use cache::{Error, Result};
 
-/// Which cache phase a forward pass appends with (the phase is never inferred from a length).
+/// Which cache phase a forward pass appends with: the name of the cache method every layer
+/// calls ([`Phase::append`], [`Phase::recur`]). The caller names it; nothing infers it from a
+/// length, a shape or a mask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
+pub enum Phase<'a> {
     /// Several new positions, causal among themselves (prefill chunks, verify windows).
     Window,
     /// Exactly one new position.
     Decode,
+    /// Decided positions (a drafter replaying what a round kept), causal among themselves,
+    /// each read with a one-position read's arithmetic: bit for bit what as many decode steps
+    /// give ([`cache::CommittedAttentionCache`]).
+    Committed,
+    /// A window whose runs of flagged positions (one flag per new position: image blocks) see
+    /// each other in both directions (Gemma 4's image prompts,
+    /// [`cache::BidirectionalAttentionCache`]).
+    Bidirectional(&'a [bool]),
+}
+
+impl Phase<'_> {
+    /// Appends `keys`/`values` `[B, Hkv, L, D]` to `cache` with this phase's method: the read
+    /// of what the new positions see. A storage without the method refuses, named.
+    pub fn append(
+        self,
+        cache: &mut dyn AttentionCache,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<AttentionRead> {
+        let lacks = |cache: &dyn AttentionCache, what: &str| {
+            Error::InvalidRequest(format!(
+                "{what} need a storage that has them, not {}",
+                cache.signature()
+            ))
+        };
+        match self {
+            Phase::Window => cache.append_window(keys, values),
+            Phase::Decode => cache.append_decode(keys, values),
+            Phase::Committed => match cache.committed() {
+                Some(committed) => committed.append_committed(keys, values),
+                None => Err(lacks(cache, "committed spans")),
+            },
+            Phase::Bidirectional(flags) => match cache.bidirectional() {
+                Some(both_ways) => both_ways.append_bidirectional(keys, values, flags),
+                None => Err(lacks(cache, "images' bidirectional reads")),
+            },
+        }
+    }
+
+    /// Runs gated DeltaNet's recurrence over `S` new positions (`qkv` `[B, S, ·]`, `a`, `b`
+    /// `[B, S, Hv]`) with this phase's method: the recurrence's `[B, S, Hv, Dv]`. A committed
+    /// span runs one decode step per position; a bidirectional window is refused (the
+    /// recurrence reads in order).
+    pub fn recur(
+        self,
+        cache: &mut dyn GatedDeltaCache,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
+        layer: &dyn GatedDeltaLayer,
+    ) -> Result<Array> {
+        match self {
+            Phase::Window => cache.recur_window(qkv, a, b, layer),
+            Phase::Decode => cache.recur_decode(qkv, a, b, layer),
+            Phase::Committed => {
+                let at = |x: &Array, i: i32| -> Result<Array> {
+                    let mut start = vec![0; x.ndim()];
+                    let mut stop = x.shape();
+                    start[1] = i;
+                    stop[1] = i + 1;
+                    Ok(x.slice(&start, &stop, &vec![1; start.len()])?)
+                };
+                let steps = (0..qkv.dim(1)?)
+                    .map(|i| cache.recur_decode(&at(qkv, i)?, &at(a, i)?, &at(b, i)?, layer))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(mlx::ops::concatenate(&steps.iter().collect::<Vec<_>>(), 1)?)
+            }
+            Phase::Bidirectional(_) => Err(Error::InvalidRequest(
+                "a gated DeltaNet recurrence reads in order: it has no bidirectional window".into(),
+            )),
+        }
+    }
 }
 
 /// Which rows of logits a forward pass returns.
@@ -73,11 +147,12 @@ pub trait Model: std::fmt::Debug {
     ) -> Result<Array> {
         self.forward_rows(tokens, caches, phase, Rows::All)
     }
-    /// One decode step: logits `[1, 1, vocab]` for `token` `[1, 1]` appended to `caches`. A
-    /// model with a compiled step ([`cache::compiled`]) runs it here when it can; the result is
-    /// the same as [`Model::forward`] with [`Phase::Decode`].
-    fn forward_decode(&self, token: &Array, caches: &mut [Box<dyn Cache>]) -> Result<Array> {
-        self.forward(token, caches, Phase::Decode)
+    /// One decode step: logits `[B, 1, vocab]` for `tokens` `[B, 1]` appended to `caches` (one
+    /// sequence's, or a batch's rows). A model with a compiled step ([`cache::compiled`]) runs
+    /// it here when it can; the result is the same as [`Model::forward`] with
+    /// [`Phase::Decode`].
+    fn forward_decode(&self, tokens: &Array, caches: &mut [Box<dyn Cache>]) -> Result<Array> {
+        self.forward(tokens, caches, Phase::Decode)
     }
     /// The model's compiled decode graphs (to read their counters), when it has a compiled
     /// step.

@@ -140,21 +140,15 @@ pub fn split_indices(sizes: &[i32]) -> Result<Vec<Array>> {
 /// twelve MLX's own fallback records, with its arithmetic: scores in the input dtype, precise
 /// softmax, and no op at all for a scale of 1).
 pub fn attend_one(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
-    let s = q.shape();
-    let (b, heads, dim) = (s[0], s[1], s[3]);
+    let (heads, dim) = (q.dim(1)?, q.dim(3)?);
     let kv_heads = k.dim(1)?;
-    if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(Error::InvalidRequest(format!(
-            "{heads} query heads cannot share {kv_heads} key-value heads"
-        )));
-    }
-    let group = heads / kv_heads;
+    let group = if kv_heads > 0 { heads / kv_heads } else { 0 };
     let fused = match mlx::Backend::current() {
         mlx::Backend::Metal => matches!(dim, 64 | 96 | 128 | 256) && group <= 32,
         mlx::Backend::Cuda => matches!(dim, 64 | 96 | 128),
         mlx::Backend::Cpu => false,
     };
-    if fused {
+    if fused && group > 0 && heads % kv_heads == 0 {
         return Ok(mlx::fast::scaled_dot_product_attention(
             q,
             k,
@@ -164,10 +158,37 @@ pub fn attend_one(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> 
             None,
         )?);
     }
+    attend_one_by_ops(q, k, v, scale, None)
+}
+
+/// [`attend_one`]'s route by ops, under `mask` (bool `[B, 1, 1, S]`, true = visible) when
+/// given: hidden keys score −∞ before the softmax. Every shape in it follows its inputs', so a
+/// shapeless compiled step may run it at any `S`.
+pub fn attend_one_by_ops(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: Option<&Array>,
+) -> Result<Array> {
+    let s = q.shape();
+    let (b, heads, dim) = (s[0], s[1], s[3]);
+    let kv_heads = k.dim(1)?;
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(Error::InvalidRequest(format!(
+            "{heads} query heads cannot share {kv_heads} key-value heads"
+        )));
+    }
+    let group = heads / kv_heads;
     let mut rows = q.reshape(&[b, kv_heads, group, dim])?;
     if scale != 1.0 {
         rows = rows.multiply_scalar(f64::from(scale))?;
     }
-    let scores = rows.matmul(&k.swapaxes(-1, -2)?)?.softmax(&[-1], true)?;
-    Ok(scores.matmul(v)?.reshape(&[b, heads, 1, dim])?)
+    let mut scores = rows.matmul(&k.swapaxes(-1, -2)?)?;
+    if let Some(mask) = mask {
+        let hidden = Array::scalar(f32::NEG_INFINITY)?.astype(scores.dtype())?;
+        scores = mlx::ops::where_(mask, &scores, &hidden)?;
+    }
+    let weights = scores.softmax(&[-1], true)?;
+    Ok(weights.matmul(v)?.reshape(&[b, heads, 1, dim])?)
 }

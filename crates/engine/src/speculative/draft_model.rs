@@ -195,10 +195,14 @@ impl DraftMethod for DraftModel {
         }
         self.round = Some((pending.to_vec(), Vec::new()));
         // The committed tokens the caches lack (the bonus, and the last draft after a round
-        // that accepted them all), then greedy steps, built lazily and evaluated once.
-        let phase = if pending.len() == 1 { Phase::Decode } else { Phase::Window };
-        let logits =
-            self.model.forward_rows(&ids(pending)?, &mut self.caches, phase, Rows::Last)?;
+        // that accepted them all: decided, so read as decode steps read), then greedy steps,
+        // built lazily and evaluated once.
+        let logits = self.model.forward_rows(
+            &ids(pending)?,
+            &mut self.caches,
+            Phase::Committed,
+            Rows::Last,
+        )?;
         let v = logits.dim(-1)?;
         let mut next = logits.reshape(&[1, v])?.argmax(-1, false)?;
         let mut drafts = vec![next.clone()];

@@ -175,6 +175,34 @@ fn batched_greedy_and_seeded_sampling_equal_each_request_alone() {
     }
 }
 
+/// Rows sharing buffers decode through the model's compiled step, a graph per row count
+/// (every step of two or more rows compiled, none falling back), across a plain buffer's
+/// growth (a 250-token prompt decoding past the 256 slots its rows start with) and sliding
+/// windows that wrap (6 and 8 positions): each row generates, greedy and seeded, what it
+/// generates alone and leaves holding bit for bit what the solo run holds.
+#[test]
+fn rows_sharing_buffers_decode_compiled_and_equal_each_alone() {
+    for name in ["gemma4/dense", "gemma4/k_eq_v"] {
+        let model = load(name);
+        let graphs = model.decode_graphs().expect("Gemma 4 has a compiled decode step");
+        assert!(graphs.enabled(), "{name}: compiled decode is on by default off CUDA");
+        let prompt = golden_at(&checkpoint(name)).prompt;
+        let long: Vec<u32> = prompt.iter().copied().cycle().take(250).collect();
+        for sampled in [false, true] {
+            let mut requests = requests(&prompt, sampled);
+            requests[0].prompt = long.clone();
+            requests[0].max_tokens = 14;
+            let what = format!("{name}, {}", if sampled { "sampled" } else { "greedy" });
+            let before = graphs.stats();
+            let rows = batched(model.as_ref(), &requests, &[0, 2, 3, 5]);
+            let after = graphs.stats();
+            assert!(after.batched > before.batched, "{what}: rows ran compiled: {after:?}");
+            assert_eq!(after.uncompiled, before.uncompiled, "{what}: none fell back: {after:?}");
+            assert_rows_equal_alone(model.as_ref(), &requests, &rows, &what);
+        }
+    }
+}
+
 /// Requests that arrive together prefill as one padded cohort (one batched window over their
 /// prompts but the last token, padded on the right) beside a row already decoding: each
 /// generates what it generates alone, greedy and seeded, and leaves holding bit for bit what

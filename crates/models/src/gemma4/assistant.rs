@@ -18,13 +18,13 @@ use std::rc::Rc;
 use mlx::{Array, Dtype, ops};
 use serde::Deserialize;
 
-use super::attention::{Append, Context, Position, Rope};
+use super::attention::{Context, Position, Rope};
 use super::config::{Gemma4TextConfig, Variant};
 use super::layer::{DecoderLayer, load_layer};
 use crate::checkpoint::ModelDir;
 use crate::nn::{Activations, Embedding, Linear, RmsNorm};
 use crate::options::LoadOptions;
-use crate::{DraftMethod, Target};
+use crate::{DraftMethod, Phase, Target};
 use crate::{Model, TargetPort, target_lacks};
 use cache::backend::Ops;
 use cache::{Error, Result};
@@ -326,7 +326,7 @@ impl DraftMethod for Gemma4Assistant {
                     position: &position,
                     cache: None,
                     shared: Some(kv),
-                    append: &Append::Decode,
+                    phase: Phase::Decode,
                     ops,
                 };
                 let (attn, _) = layer.attention.forward(&normed, 1, context)?;

@@ -9,6 +9,7 @@ use mlx::Array;
 use mlx::fast::{RopeFrequencies, RopeOffset};
 
 use super::config::RopeParameters;
+use crate::Phase;
 use crate::nn::{Linear, RmsNorm, Stacked};
 use cache::backend::{HeadsLayout, Ops, RopeSpec};
 use cache::{AttentionCache, AttentionRead, Cache};
@@ -139,15 +140,6 @@ impl Position {
     }
 }
 
-/// How a forward pass appends to the caches.
-#[derive(Debug)]
-pub(crate) enum Append<'a> {
-    Window,
-    Decode,
-    /// A window whose image blocks (runs of flags) attend bidirectionally.
-    Bidirectional(&'a [bool]),
-}
-
 #[derive(Debug, Clone)]
 pub(crate) struct Attention {
     /// The query projection, then the key and value projections on a layer with its own keys
@@ -182,7 +174,7 @@ pub(crate) struct Context<'a, 'b> {
     pub(crate) cache: Option<&'b mut dyn AttentionCache>,
     /// The donor's read (KV-sharing layers).
     pub(crate) shared: Option<&'a AttentionRead>,
-    pub(crate) append: &'a Append<'a>,
+    pub(crate) phase: Phase<'a>,
     pub(crate) ops: &'a Ops,
 }
 
@@ -226,19 +218,7 @@ impl Attention {
                 let cache = at.cache.ok_or_else(|| {
                     Error::InvalidRequest("a layer with keys and values needs a cache".into())
                 })?;
-                let read = match at.append {
-                    Append::Window => cache.append_window(&k, &v)?,
-                    Append::Decode => cache.append_decode(&k, &v)?,
-                    Append::Bidirectional(flags) => {
-                        let signature = cache.signature();
-                        let cache = cache.bidirectional().ok_or_else(|| {
-                            Error::InvalidRequest(format!(
-                                "images need a storage with bidirectional reads, not {signature}"
-                            ))
-                        })?;
-                        cache.append_bidirectional(&k, &v, flags)?
-                    }
-                };
+                let read = at.phase.append(cache, &k, &v)?;
                 (read.clone(), Some(read))
             }
             (None, Some(donor), _) => (donor.clone(), None),

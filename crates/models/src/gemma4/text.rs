@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use mlx::{Array, ops};
 use serde_json::Value;
 
-use super::attention::{Append, Context, Position, Rope};
+use super::attention::{Context, Position, Rope};
 use super::config::{Gemma4TextConfig, Variant};
 use super::layer::{DecoderLayer, load_layer};
 use super::processor::Gemma4Images;
@@ -266,11 +266,11 @@ impl Gemma4Text {
         ple_ids: &Array,
         h: Array,
         caches: &mut [Box<dyn Cache>],
-        append: &Append<'_>,
+        phase: Phase<'_>,
         rows: Rows,
         position: Position,
     ) -> Result<Array> {
-        let pass = Pass { ops: &self.ops, act: &self.activations, append, rows };
+        let pass = Pass { ops: &self.ops, act: &self.activations, phase, rows };
         let (logits, hidden) = self.decoder.run(&pass, ple_ids, h, caches, position)?;
         *self.last_hidden.borrow_mut() = Some(hidden);
         Ok(logits)
@@ -282,8 +282,8 @@ impl Gemma4Text {
     }
 
     /// The compiled decode step for caches whose slots are `fetches` (see [`cache::compiled`]):
-    /// inputs `[token [1, 1], position, slot inputs…]`, outputs `[logits, last hidden, two per
-    /// slot…]`. The graph owns the decoder's weights (shared handles, nothing is copied) and
+    /// inputs `[tokens [B, 1], positions, slot inputs…]`, outputs `[logits, last hidden, each
+    /// slot's parts…]`. The graph owns the decoder's weights (shared handles, nothing is copied) and
     /// runs a shapeless step's ops.
     fn decode_graph(&self, fetches: Vec<SlotKind>) -> Result<mlx::Compiled> {
         let decoder = self.decoder.clone();
@@ -321,8 +321,12 @@ fn traced_decode(
     }
     let token = &inputs[0];
     let h = decoder.embed(token)?;
-    let position = Position::Traced(inputs[1].clone());
-    let pass = Pass { ops: &ops, act, append: &Append::Decode, rows: Rows::All };
+    // One row at the scalar position, or each row at its own.
+    let position = match token.dim(0)? {
+        1 => Position::Traced(inputs[1].clone()),
+        _ => Position::Rows(inputs[1].clone()),
+    };
+    let pass = Pass { ops: &ops, act, phase: Phase::Decode, rows: Rows::All };
     let (logits, hidden) = decoder.run(&pass, token, h, &mut traces, position)?;
     let mut outputs = vec![logits, hidden];
     for trace in &traces {
@@ -335,7 +339,7 @@ fn traced_decode(
 struct Pass<'a> {
     ops: &'a Ops,
     act: &'a Activations,
-    append: &'a Append<'a>,
+    phase: Phase<'a>,
     rows: Rows,
 }
 
@@ -385,7 +389,7 @@ impl Decoder {
         caches: &mut [Box<dyn Cache>],
         position: Position,
     ) -> Result<(Array, Array)> {
-        let (ops, append, rows) = (pass.ops, pass.append, pass.rows);
+        let (ops, phase, rows) = (pass.ops, pass.phase, pass.rows);
         if caches.len() != self.first_shared {
             return Err(Error::InvalidRequest(format!(
                 "{} needs {} caches, got {}",
@@ -428,7 +432,7 @@ impl Decoder {
                 Some(normed) => normed,
                 None => layer.input_layernorm.forward(&h)?,
             };
-            let context = Context { rope, position: &position, cache, shared, append, ops };
+            let context = Context { rope, position: &position, cache, shared, phase, ops };
             let (attn, own) = layer.attention.forward(&normed, query_rows, context)?;
             reads.push(own);
             if trim_at == Some(i) {
@@ -494,26 +498,28 @@ impl Model for Gemma4Text {
         rows: Rows,
     ) -> Result<Array> {
         let h = self.embed_ids(tokens)?;
-        let append = match phase {
-            Phase::Window => Append::Window,
-            Phase::Decode => Append::Decode,
-        };
         let position = Position::of(caches)?;
-        self.run(tokens, h, caches, &append, rows, position)
+        self.run(tokens, h, caches, phase, rows, position)
     }
 
-    fn forward_decode(&self, token: &Array, caches: &mut [Box<dyn Cache>]) -> Result<Array> {
-        let position = cache::stack_offset(caches);
+    fn forward_decode(&self, tokens: &Array, caches: &mut [Box<dyn Cache>]) -> Result<Array> {
+        let positions = match cache::stack_row_offsets(caches) {
+            Some(rows) if rows.len() > 1 => {
+                let rows: Vec<i32> = rows.iter().map(|&o| o as i32).collect();
+                Array::from_slice(&rows, &[rows.len() as i32])?
+            }
+            _ => Array::scalar(cache::stack_offset(caches) as i32)?,
+        };
         let compiled = self
             .decode_graphs
-            .step(caches, token, position, 2, |fetches| self.decode_graph(fetches))?;
+            .step(caches, tokens, &positions, 2, |fetches| self.decode_graph(fetches))?;
         match compiled {
             Some(mut outputs) => {
                 let hidden = outputs.pop();
                 *self.last_hidden.borrow_mut() = hidden;
                 outputs.pop().ok_or_else(|| Error::InvalidRequest("no logits".into()))
             }
-            None => self.forward(token, caches, Phase::Decode),
+            None => self.forward(tokens, caches, Phase::Decode),
         }
     }
 
@@ -572,13 +578,13 @@ impl Model for Gemma4Text {
                 tokens.iter().zip(&flags).map(|(&tok, &f)| if f { 0 } else { tok }).collect();
             ple_ids = crate::tokens::ids(&masked)?;
         }
-        let append = if slots > 0 && self.bidirectional_vision {
-            Append::Bidirectional(&flags)
+        let phase = if slots > 0 && self.bidirectional_vision {
+            Phase::Bidirectional(&flags)
         } else {
-            Append::Window
+            Phase::Window
         };
         let position = Position::of(caches)?;
-        self.run(&ple_ids, h, caches, &append, rows, position)
+        self.run(&ple_ids, h, caches, phase, rows, position)
     }
 
     fn decode_weight_bytes(&self) -> usize {

@@ -119,10 +119,7 @@ impl Attention {
             }
         };
         let (queries, keys) = (rope(&queries)?, rope(&keys)?);
-        let read = match phase {
-            Phase::Window => cache.append_window(&keys, &values)?,
-            Phase::Decode => cache.append_decode(&keys, &values)?,
-        };
+        let read = phase.append(cache, &keys, &values)?;
         let out = read.attend(&queries, (f64::from(d)).powf(-0.5) as f32)?;
         let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, self.heads * d])?;
         self.o_proj.forward(&out.multiply(&gate.sigmoid()?)?, ops)
@@ -217,10 +214,7 @@ impl DeltaNet {
         let z = self.in_proj_z.forward(x, ops)?.reshape(&[b, l, hv, dv])?;
         let beta_in = self.in_proj_b.forward(x, ops)?;
         let a = self.in_proj_a.forward(x, ops)?;
-        let out = match phase {
-            Phase::Window => cache.recur_window(&qkv, &a, &beta_in, self)?,
-            Phase::Decode => cache.recur_decode(&qkv, &a, &beta_in, self)?,
-        };
+        let out = phase.recur(cache, &qkv, &a, &beta_in, self)?;
         // mlx-lm's gated RMSNorm: rms_norm(y)·w, then silu(z)·that in float32, cast back.
         let normed = self.norm.forward(&out)?;
         let gated = z

@@ -114,20 +114,20 @@ impl Qwen35Mtp {
     }
 
     /// The head's final-normed output `[1, T, H]` for the pairs (`tokens`, `hidden`), appended
-    /// to its caches.
+    /// to its caches in `phase`: the positions a round decided are a committed span (each read
+    /// as one query reads: the arithmetic of a draft step, and of mlx-vlm's head replaying one
+    /// position), a draft step a decode step.
     fn forward(
         &mut self,
         port: &dyn RecurrentMtpRows,
         tokens: &[u32],
         hidden: &Array,
+        phase: Phase<'_>,
     ) -> Result<Array> {
         let ids = crate::tokens::ids(tokens)?;
         let embedded = self.pre_fc_norm_embedding.forward(&port.embed(&ids)?)?;
         let joined = ops::concatenate(&[&embedded, &self.pre_fc_norm_hidden.forward(hidden)?], -1)?;
         let mut h = self.fc.forward(&joined, &self.ops)?;
-        // The positions replayed after a round: one is read as one query reads (no mask, the
-        // arithmetic of mlx-vlm's head and of a draft step), several as a causal window.
-        let phase = if tokens.len() == 1 { Phase::Decode } else { Phase::Window };
         for (i, (layer, cache)) in self.layers.iter().zip(self.caches.iter_mut()).enumerate() {
             // The head's own positions: its cache's offset (as mlx-vlm's drafter rotates).
             let start = RopeAt::Start(cache.offset() as i32);
@@ -240,13 +240,13 @@ impl DraftMethod for Qwen35Mtp {
         let hidden = self
             .hidden_rows(from, bonus_at)?
             .ok_or_else(|| Error::InvalidRequest("the target's hidden rows are missing".into()))?;
-        let h = self.forward(port, &context[from + 1..=bonus_at], &hidden)?;
+        let h = self.forward(port, &context[from + 1..=bonus_at], &hidden, Phase::Committed)?;
         self.rows.retain(|(s, r)| end_of(*s, r) > bonus_at);
         let mut h = Self::last_row(&h)?;
         let mut token = Self::greedy(port, &h)?;
         let mut drafts = vec![token];
         while drafts.len() < max {
-            h = self.forward(port, &[token], &h)?;
+            h = self.forward(port, &[token], &h, Phase::Decode)?;
             token = Self::greedy(port, &h)?;
             drafts.push(token);
         }
