@@ -293,7 +293,7 @@ impl Shared {
     /// The slot of a compiled step ([`DecodeFetch::Rows`]): the buffers (grown first where a
     /// row's next slot is past them, and handed over), each row's next slot, and the mask of
     /// the slots each row sees once its new position is written. `None` while no row stores
-    /// a position yet.
+    /// a position yet; on an error the rows are as before.
     fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
         let Some(first) = self.rows.first() else {
             return Ok(None);
@@ -302,18 +302,10 @@ impl Shared {
         let codec = self.codec()?;
         let slots: Vec<i32> = self.rows.iter().map(|r| r.cursor as i32).collect();
         let highest = slots.iter().copied().max().unwrap_or(0) as usize;
-        let Some(parts) = self.parts.take() else {
+        let Some(parts) = &self.parts else {
             return Ok(None);
         };
-        let capacity = Shared::capacity_for(window, highest + 1);
-        let mut inputs = match Shared::grow(&parts, capacity) {
-            Ok(grown) => grown,
-            Err(e) => {
-                self.parts = Some(parts);
-                return Err(e);
-            }
-        };
-        drop(parts);
+        let mut inputs = Shared::grow(parts, Shared::capacity_for(window, highest + 1))?;
         let capacity = kv::position_count(&inputs)?;
         let rows = self.rows.len() as i32;
         let mut visible = Vec::with_capacity(self.rows.len() * capacity);
@@ -326,6 +318,8 @@ impl Shared {
         }
         inputs.push(Array::from_slice(&slots, &[rows, 1, 1, 1])?);
         inputs.push(Array::from_slice(&visible, &[rows, 1, 1, capacity as i32])?);
+        // Handed over: the graph holds the only reference, so its writes happen in place.
+        self.parts = None;
         let kind = SlotKind { fetch: DecodeFetch::Rows, codec };
         Ok(Some(DecodeSlot { kind, inputs }))
     }
@@ -596,7 +590,7 @@ impl AttentionCache for SlotRows {
 }
 
 /// Rows sharing buffers in a compiled decode step: every row's slot and what it will see are
-/// the step's inputs, as [`Shared::append_decode`] computes them op by op.
+/// the step's inputs, as a decode append over shared buffers computes them op by op.
 impl CompiledDecodeCache for SlotRows {
     fn begin_decode_step(&mut self) -> Result<Option<DecodeSlot>> {
         let Layout::Shared(shared) = &mut self.layout else {
