@@ -18,8 +18,8 @@
 //! 3. The reply is a row of a [`batch::Batch`] (the one decode path; alone, a batch of one:
 //!    [`batch::generate`], [`batch::speculate`]): its prompt prefilled through window appends,
 //!    then decoded with the other rows one pass per step, compiled where the caches allow (a
-//!    lone row, or rows sharing buffers: [`compiled`]); rows that draft verify their drafts together in windows and
-//!    roll their caches back to what each kept.
+//!    lone row, or rows sharing buffers: [`compiled`]); rows that draft verify their drafts
+//!    together in windows and roll their caches back to what each kept.
 //! 4. The turn brings the caches to the next turn's boundary and writes its checkpoint.
 //!
 //! # Where to start reading

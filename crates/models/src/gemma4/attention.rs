@@ -121,6 +121,15 @@ impl Position {
         })
     }
 
+    /// The position as a compiled decode step takes it: an int32 scalar for one sequence, or
+    /// `[B]` for a batch's rows.
+    pub(crate) fn input(&self) -> Result<Array> {
+        match self {
+            Position::Rows(rows) => Ok(rows.clone()),
+            one => one.scalar(),
+        }
+    }
+
     /// The position as an int32 scalar array.
     fn scalar(&self) -> Result<Array> {
         match self {

@@ -283,8 +283,8 @@ impl Gemma4Text {
 
     /// The compiled decode step for caches whose slots are `fetches` (see [`cache::compiled`]):
     /// inputs `[tokens [B, 1], positions, slot inputs…]`, outputs `[logits, last hidden, each
-    /// slot's parts…]`. The graph owns the decoder's weights (shared handles, nothing is copied) and
-    /// runs a shapeless step's ops.
+    /// slot's parts…]`. The graph owns the decoder's weights (shared handles, nothing is
+    /// copied) and runs a shapeless step's ops.
     fn decode_graph(&self, fetches: Vec<SlotKind>) -> Result<mlx::Compiled> {
         let decoder = self.decoder.clone();
         let act = Activations::new()?;
@@ -503,13 +503,7 @@ impl Model for Gemma4Text {
     }
 
     fn forward_decode(&self, tokens: &Array, caches: &mut [Box<dyn Cache>]) -> Result<Array> {
-        let positions = match cache::stack_row_offsets(caches) {
-            Some(rows) if rows.len() > 1 => {
-                let rows: Vec<i32> = rows.iter().map(|&o| o as i32).collect();
-                Array::from_slice(&rows, &[rows.len() as i32])?
-            }
-            _ => Array::scalar(cache::stack_offset(caches) as i32)?,
-        };
+        let positions = Position::of(caches)?.input()?;
         let compiled = self
             .decode_graphs
             .step(caches, tokens, &positions, 2, |fetches| self.decode_graph(fetches))?;
