@@ -222,6 +222,26 @@ impl Ops {
         mlx::attend_one_by_ops(q, k, v, scale, Some(mask))
     }
 
+    /// Attention of a window of query positions `q` `[B, Hq, L, D]` over `k`, `v`
+    /// `[B, Hkv, S, D]` under `mask`: the backend's route where it has one for the window (on
+    /// CUDA, short windows by MLX's ops, [`KernelOptions::window_by_ops`]), else MLX's fused
+    /// attention.
+    pub fn attend_window(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+        mask: ::mlx::fast::AttentionMask<'_>,
+    ) -> Result<Array> {
+        if let Some(kernels) = &self.kernels
+            && let Some(out) = kernels.attend_window(q, k, v, scale, mask)?
+        {
+            return Ok(out);
+        }
+        Ok(::mlx::fast::scaled_dot_product_attention(q, k, v, scale, mask, None)?)
+    }
+
     /// Keys past which a one-query read runs split, in kernels of their own that are compiled
     /// on first use (a stall of a second or two): a warm-up that decodes past it builds them
     /// before the first reply. `None` where no read splits.
@@ -251,17 +271,30 @@ pub struct KernelOptions {
     pub fused_decode: bool,
     /// The 4-bit matrix-vector kernel for products of up to 7 rows.
     pub quantized_matvec: bool,
+    /// Short windows of queries (a verify round's) attended by MLX's ops instead of MLX's
+    /// fused attention, which on CUDA builds a cuDNN graph for every new key length.
+    pub window_by_ops: bool,
 }
 
 impl Default for KernelOptions {
     fn default() -> KernelOptions {
-        KernelOptions { custom: true, fused_decode: true, quantized_matvec: true }
+        KernelOptions {
+            custom: true,
+            fused_decode: true,
+            quantized_matvec: true,
+            window_by_ops: true,
+        }
     }
 }
 
 impl KernelOptions {
     /// MLX's built-in ops only.
     pub fn mlx() -> KernelOptions {
-        KernelOptions { custom: false, fused_decode: false, quantized_matvec: false }
+        KernelOptions {
+            custom: false,
+            fused_decode: false,
+            quantized_matvec: false,
+            window_by_ops: false,
+        }
     }
 }

@@ -297,6 +297,7 @@ impl Codec {
                 AttentionMask::Array(m) if ops.is_shapeless() && q.dim(2)? == 1 => {
                     ops.attend_one_masked(q, k, v, scale, m)
                 }
+                mask if q.dim(2)? > 1 => ops.attend_window(q, k, v, scale, mask),
                 mask => Ok(scaled_dot_product_attention(q, k, v, scale, mask, None)?),
             },
             (Codec::Affine { bits, group_size }, [kw, ks, kb], [vw, vs, vb]) => {

@@ -48,6 +48,10 @@ pub struct LoadArgs {
     /// runs).
     #[arg(long, value_enum, default_value = "on")]
     quantized_kernel: Switch,
+    /// Short windows of queries (a verify round's) attended by MLX's ops instead of its fused
+    /// attention, which builds a cuDNN graph per new key length (CUDA; `off` for A/B runs).
+    #[arg(long, value_enum, default_value = "on")]
+    window_by_ops: Switch,
     /// Stack the projections that read one input into one product (default: where Quince's
     /// kernels run).
     #[arg(long, value_enum)]
@@ -69,6 +73,7 @@ impl LoadArgs {
                 custom: true,
                 fused_decode: self.decode_fusion.on(),
                 quantized_matvec: self.quantized_kernel.on(),
+                window_by_ops: self.window_by_ops.on(),
             },
         };
         let compiled_decode = match (self.compile, self.no_compile) {

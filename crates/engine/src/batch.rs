@@ -812,9 +812,19 @@ impl<'m> Batch<'m> {
     }
 
     /// One window pass over `ids` `[B, L]` and each row's picks from its own positions (its
-    /// last token and its `drafts`).
+    /// last token and its `drafts`). When every row is greedy, one argmax over the window read
+    /// back once gives every row's picks.
     fn pick_all(&mut self, ids: &Array, drafts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
         let logits = self.model.forward(ids, &mut self.layers, Phase::Window)?; // [B, L, V]
+        if self.rows.iter().all(|r| r.sampler.params().is_greedy()) {
+            let width = logits.dim(1)? as usize;
+            let picks = logits.argmax(-1, false)?.to_vec::<u32>()?;
+            return Ok(picks
+                .chunks(width)
+                .zip(drafts)
+                .map(|(row, drafts)| row[..=drafts.len()].to_vec())
+                .collect());
+        }
         let vocab = logits.dim(2)?;
         let mut all = Vec::with_capacity(self.rows.len());
         for (b, (row, drafts)) in self.rows.iter_mut().zip(drafts).enumerate() {

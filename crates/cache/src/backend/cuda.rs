@@ -109,6 +109,11 @@ impl CudaKernels {
     }
 }
 
+/// The longest window (query positions) attended by MLX's ops instead of its fused attention,
+/// which MLX-CUDA runs through cuDNN for more than one query: a cuDNN graph is built for every
+/// new key length, and a verify window's key length is new every round.
+const WINDOW_BY_OPS_MAX: i32 = 16;
+
 fn floating(x: &Array) -> bool {
     matches!(x.dtype(), Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
 }
@@ -187,6 +192,20 @@ impl Kernels for CudaKernels {
             return Ok(None);
         }
         self.attention().map(|kernels| kernels.attend(q, k, v, scale)).transpose()
+    }
+
+    fn attend_window(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+        mask: mlx::fast::AttentionMask<'_>,
+    ) -> Result<Option<Array>> {
+        if !self.options.window_by_ops || q.dim(2)? > WINDOW_BY_OPS_MAX {
+            return Ok(None);
+        }
+        super::mlx::attend_window_by_ops(q, k, v, scale, mask)
     }
 
     fn split_reads_above(&self) -> Option<usize> {

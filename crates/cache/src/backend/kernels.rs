@@ -37,6 +37,15 @@ pub(crate) trait Kernels: std::fmt::Debug {
     fn geglu_at(&self, gate: &Array, inputs: &Array, index: &Array) -> Result<Option<Array>>;
     /// See [`super::Ops::attend_one`].
     fn attend_one(&self, q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Option<Array>>;
+    /// See [`super::Ops::attend_window`].
+    fn attend_window(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+        mask: mlx::fast::AttentionMask<'_>,
+    ) -> Result<Option<Array>>;
     /// See [`super::Ops::split_reads_above`].
     fn split_reads_above(&self) -> Option<usize>;
     /// See [`super::Ops::gpu_clock`].

@@ -161,6 +161,67 @@ pub fn attend_one(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> 
     attend_one_by_ops(q, k, v, scale, None)
 }
 
+/// Attends a short window of `L` query positions `q` `[B, Hq, L, D]` over `k`, `v`
+/// `[B, Hkv, S, D]` under `mask` by MLX's ops: the query heads sharing a KV head and their
+/// positions as the rows of one product, scores in the input dtype, hidden keys at −∞, a
+/// precise softmax (the arithmetic of MLX's own fallback). The causal mask hides from query
+/// `i` the keys after `S − L + i`; an array mask is bool (true = visible) or additive, shaped
+/// `[L, S]` or `[B, 1 or Hq, L, S]`. `None` for a mask of another shape (the caller's fused
+/// route takes it).
+pub fn attend_window_by_ops(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: mlx::fast::AttentionMask<'_>,
+) -> Result<Option<Array>> {
+    let s = q.shape();
+    let (b, heads, length, dim) = (s[0], s[1], s[2], s[3]);
+    let (kv_heads, keys) = (k.dim(1)?, k.dim(2)?);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(Error::InvalidRequest(format!(
+            "{heads} query heads cannot share {kv_heads} key-value heads"
+        )));
+    }
+    let group = heads / kv_heads;
+    // [B, Hkv, group, L, S] after the product; a mask broadcasts against that.
+    let mask = match mask {
+        mlx::fast::AttentionMask::None => None,
+        mlx::fast::AttentionMask::Causal => {
+            let columns = mlx::ops::arange(0.0, f64::from(keys), 1.0, Dtype::Int32)?;
+            let last =
+                mlx::ops::arange(f64::from(keys - length), f64::from(keys), 1.0, Dtype::Int32)?;
+            let visible = columns.reshape(&[1, keys])?.le(&last.reshape(&[length, 1])?)?;
+            Some(visible)
+        }
+        mlx::fast::AttentionMask::Array(m) => match m.shape().as_slice() {
+            [l, n] if *l == length && *n == keys => Some(m.clone()),
+            [mb, 1, l, n] if *l == length && *n == keys => Some(m.reshape(&[*mb, 1, 1, *l, *n])?),
+            [mb, h, l, n] if *h == heads && *l == length && *n == keys => {
+                Some(m.reshape(&[*mb, kv_heads, group, *l, *n])?)
+            }
+            _ => return Ok(None),
+        },
+    };
+    let mut rows = q.reshape(&[b, kv_heads, group * length, dim])?;
+    if scale != 1.0 {
+        rows = rows.multiply_scalar(f64::from(scale))?;
+    }
+    let mut scores =
+        rows.matmul(&k.swapaxes(-1, -2)?)?.reshape(&[b, kv_heads, group, length, keys])?;
+    if let Some(mask) = mask {
+        scores = match mask.dtype() {
+            Dtype::Bool => {
+                let hidden = Array::scalar(f32::NEG_INFINITY)?.astype(scores.dtype())?;
+                mlx::ops::where_(&mask, &scores, &hidden)?
+            }
+            _ => scores.add(&mask.astype(scores.dtype())?)?,
+        };
+    }
+    let weights = scores.softmax(&[-1], true)?.reshape(&[b, kv_heads, group * length, keys])?;
+    Ok(Some(weights.matmul(v)?.reshape(&[b, heads, length, dim])?))
+}
+
 /// [`attend_one`]'s route by ops, under `mask` (bool `[B, 1, 1, S]`, true = visible) when
 /// given: hidden keys score −∞ before the softmax. Every shape in it follows its inputs', so a
 /// shapeless compiled step may run it at any `S`.

@@ -175,8 +175,9 @@ fn run_once(
         let events = batch.step()?;
         step_ms.push(step.elapsed().as_secs_f64() * 1e3);
         if args.verbose {
+            let emitted = events.iter().filter(|e| matches!(e, BatchEvent::Token { .. })).count();
             eprintln!(
-                "  step {}: {:.2} ms, {} rows",
+                "  step {}: {:.2} ms, {} rows, {emitted} tokens",
                 step_ms.len(),
                 step_ms[step_ms.len() - 1],
                 batch.len()

@@ -241,3 +241,49 @@ fn four_bit_kernel_matches_mlx_products() {
     exactly_mlx(&without, &x, &q);
     assert!(!without.kernels_in_use().contains(&"quince_qmv4"));
 }
+
+/// A short window attended by MLX's ops (the route CUDA takes for a verify round's windows)
+/// against MLX's fused attention, on every backend: grouped heads, L = 5 queries over 37 keys,
+/// under the causal mask, bool masks of every shape the route takes, and an additive mask; in
+/// f32 to 1e-5, in bf16 within its rounding. A mask shape it does not take is left to the
+/// fused route.
+#[test]
+fn short_windows_by_ops_equal_mlx_fused_attention() {
+    use mlx::fast::{AttentionMask, scaled_dot_product_attention};
+    let (b, heads, kv_heads, length, keys, dim) = (2, 4, 2, 5, 37, 32);
+    let scale = (dim as f32).powf(-0.5);
+    let visible = |shape: &[i32], seed: u64| {
+        // About one key in four hidden, never a whole row (the last key is always seen).
+        let some = normal(shape, seed, Dtype::Float32).gt(&Array::scalar(-0.7f32).unwrap());
+        let columns = mlx::ops::arange(0.0, f64::from(keys), 1.0, Dtype::Int32).unwrap();
+        let last = columns.eq(&Array::scalar(keys - 1).unwrap()).unwrap();
+        some.unwrap().logical_or(&last).unwrap()
+    };
+    for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        let q = normal(&[b, heads, length, dim], 60, dtype);
+        let k = normal(&[b, kv_heads, keys, dim], 61, dtype);
+        let v = normal(&[b, kv_heads, keys, dim], 62, dtype);
+        let additive = normal(&[b, 1, length, keys], 63, Dtype::Float32).astype(dtype).unwrap();
+        let masks = [
+            visible(&[length, keys], 64),
+            visible(&[b, 1, length, keys], 65),
+            visible(&[b, heads, length, keys], 66),
+            additive,
+        ];
+        let mut cases = vec![("causal", AttentionMask::Causal), ("none", AttentionMask::None)];
+        for (name, m) in ["[L, S]", "[B, 1, L, S]", "[B, Hq, L, S]", "additive"].iter().zip(&masks)
+        {
+            cases.push((name, AttentionMask::Array(m)));
+        }
+        for (name, mask) in cases {
+            let got = routes::attend_window_by_ops(&q, &k, &v, scale, mask).unwrap().unwrap();
+            let want = scaled_dot_product_attention(&q, &k, &v, scale, mask, None).unwrap();
+            assert_close(&got, &want, &format!("{dtype:?}, {name}"));
+            let routed = kernels().attend_window(&q, &k, &v, scale, mask).unwrap();
+            assert_close(&routed, &want, &format!("{dtype:?}, {name}, through Ops"));
+        }
+        let other = visible(&[b, 1, 1, keys], 67);
+        let left = routes::attend_window_by_ops(&q, &k, &v, scale, AttentionMask::Array(&other));
+        assert!(left.unwrap().is_none(), "a [B, 1, 1, S] mask is the fused route's");
+    }
+}
