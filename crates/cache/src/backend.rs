@@ -272,7 +272,8 @@ pub struct KernelOptions {
     /// The 4-bit matrix-vector kernel for products of up to 7 rows.
     pub quantized_matvec: bool,
     /// Short windows of queries (a verify round's) attended by MLX's ops instead of MLX's
-    /// fused attention, which on CUDA builds a cuDNN graph for every new key length.
+    /// fused attention, which on CUDA builds a cuDNN graph for every new key length. Off by
+    /// default until an A/B on the GPU machine says which is faster.
     pub window_by_ops: bool,
 }
 
@@ -282,7 +283,7 @@ impl Default for KernelOptions {
             custom: true,
             fused_decode: true,
             quantized_matvec: true,
-            window_by_ops: true,
+            window_by_ops: false,
         }
     }
 }

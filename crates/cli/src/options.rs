@@ -49,8 +49,8 @@ pub struct LoadArgs {
     #[arg(long, value_enum, default_value = "on")]
     quantized_kernel: Switch,
     /// Short windows of queries (a verify round's) attended by MLX's ops instead of its fused
-    /// attention, which builds a cuDNN graph per new key length (CUDA; `off` for A/B runs).
-    #[arg(long, value_enum, default_value = "on")]
+    /// attention, which builds a cuDNN graph per new key length (CUDA; for A/B runs).
+    #[arg(long, value_enum, default_value = "off")]
     window_by_ops: Switch,
     /// Stack the projections that read one input into one product (default: where Quince's
     /// kernels run).

@@ -259,6 +259,7 @@ fn short_windows_by_ops_equal_mlx_fused_attention() {
         let last = columns.eq(&Array::scalar(keys - 1).unwrap()).unwrap();
         some.unwrap().logical_or(&last).unwrap()
     };
+    let by_ops = Ops::new(&KernelOptions { window_by_ops: true, ..KernelOptions::default() });
     for dtype in [Dtype::Float32, Dtype::Bfloat16] {
         let q = normal(&[b, heads, length, dim], 60, dtype);
         let k = normal(&[b, kv_heads, keys, dim], 61, dtype);
@@ -279,7 +280,7 @@ fn short_windows_by_ops_equal_mlx_fused_attention() {
             let got = routes::attend_window_by_ops(&q, &k, &v, scale, mask).unwrap().unwrap();
             let want = scaled_dot_product_attention(&q, &k, &v, scale, mask, None).unwrap();
             assert_close(&got, &want, &format!("{dtype:?}, {name}"));
-            let routed = kernels().attend_window(&q, &k, &v, scale, mask).unwrap();
+            let routed = by_ops.attend_window(&q, &k, &v, scale, mask).unwrap();
             assert_close(&routed, &want, &format!("{dtype:?}, {name}, through Ops"));
         }
         let other = visible(&[b, 1, 1, keys], 67);
