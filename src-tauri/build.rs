@@ -10,9 +10,11 @@ const COMMANDS: &[&str] = &[
     "rename_conversation",
     "delete_conversation",
     "send_message",
+    "answer_message",
     "regenerate",
     "edit_message",
     "stop_reply",
+    "stop_conversation",
     "switch_branch",
     "set_system_prompt",
     "set_settings",
@@ -35,6 +37,8 @@ const COMMANDS: &[&str] = &[
     "app_info",
     "local_server",
     "set_local_server",
+    "app_settings",
+    "set_app_settings",
 ];
 
 fn main() {
