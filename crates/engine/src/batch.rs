@@ -265,12 +265,44 @@ pub struct Batch<'m> {
     /// resolves a round per row ([`Rounds::PerRow`]: a row drafts, or rows keep their keys and
     /// values in different storages). Rows move between them as they join and leave.
     rounds: Rounds,
+    /// How a verify round reads the output head.
+    verify_head: VerifyHead,
+}
+
+/// How a verify round takes its rows' positions to the output head (only a row's own
+/// positions ever reach it). The choice changes no pick, only what a round costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyHead {
+    /// Every position in one product: where a product of several rows costs little more than
+    /// one (a GPU, reading the head's weights once for all of them).
+    Window,
+    /// Position by position, only while the row's drafts match: where the head's arithmetic
+    /// is the cost and grows with every row (the CPU), a round then reads the head once per
+    /// token it emits, as decode steps do, and saves the rest of the pass.
+    ByPosition,
+}
+
+impl VerifyHead {
+    /// What the backend this thread runs is measured to favour (`docs/benchmarks.md`,
+    /// "Drafting in a batch"): by position on the CPU, the window elsewhere.
+    pub fn for_backend() -> VerifyHead {
+        match mlx::Backend::current() {
+            mlx::Backend::Cpu => VerifyHead::ByPosition,
+            mlx::Backend::Cuda | mlx::Backend::Metal => VerifyHead::Window,
+        }
+    }
 }
 
 impl<'m> Batch<'m> {
-    /// An empty batch over `model`.
+    /// An empty batch over `model`, reading verify rounds' heads as the backend favours
+    /// ([`VerifyHead::for_backend`]).
     pub fn new(model: &'m dyn Model) -> Batch<'m> {
-        Batch { model, layers: Vec::new(), rows: Vec::new(), rounds: Rounds::No }
+        Batch::with_verify_head(model, VerifyHead::for_backend())
+    }
+
+    /// An empty batch over `model` that reads verify rounds' heads as `verify_head` says.
+    pub fn with_verify_head(model: &'m dyn Model, verify_head: VerifyHead) -> Batch<'m> {
+        Batch { model, layers: Vec::new(), rows: Vec::new(), rounds: Rounds::No, verify_head }
     }
 
     /// Rows decoding now.
@@ -812,28 +844,72 @@ impl<'m> Batch<'m> {
     }
 
     /// One window pass over `ids` `[B, L]` and each row's picks from its own positions (its
-    /// last token and its `drafts`). When every row is greedy, one argmax over the window read
-    /// back once gives every row's picks.
+    /// last token and its `drafts`): a row's pick after each position, in order, while its
+    /// drafts match (the pick after a draft that does not is its last). Only those positions
+    /// reach the output head (a padded position's vocabulary product would cost as much as
+    /// any), read in stages of [`VerifyHead`] positions: the whole window at once, or position
+    /// by position, so that a position after a mismatch never reaches it. Greedy rows take one
+    /// argmax per stage, read back once; the others draw one by one with their own samplers,
+    /// so each sampler's stream advances once per emitted token.
     fn pick_all(&mut self, ids: &Array, drafts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
-        let logits = self.model.forward(ids, &mut self.layers, Phase::Window)?; // [B, L, V]
-        if self.rows.iter().all(|r| r.sampler.params().is_greedy()) {
-            let width = logits.dim(1)? as usize;
-            let picks = logits.argmax(-1, false)?.to_vec::<u32>()?;
-            return Ok(picks
-                .chunks(width)
-                .zip(drafts)
-                .map(|(row, drafts)| row[..=drafts.len()].to_vec())
-                .collect());
+        let hidden = self.model.forward_rows(ids, &mut self.layers, Phase::Window, Rows::Hidden)?;
+        let (batch, width, size) =
+            (hidden.dim(0)? as usize, hidden.dim(1)? as usize, hidden.dim(2)?);
+        let hidden = hidden.reshape(&[(batch * width) as i32, size])?;
+        let stage = match self.verify_head {
+            VerifyHead::Window => width,
+            VerifyHead::ByPosition => 1,
+        };
+        let mut picks: Vec<Vec<u32>> = vec![Vec::new(); batch];
+        let mut open = vec![true; batch];
+        for from in (0..width).step_by(stage) {
+            // Each open row's positions in this stage: [from, to).
+            let spans: Vec<(usize, usize)> = (0..batch)
+                .filter(|&b| open[b])
+                .map(|b| (b, (from + stage).min(drafts[b].len() + 1)))
+                .filter(|&(_, to)| from < to)
+                .collect();
+            if spans.is_empty() {
+                break;
+            }
+            let at: Vec<u32> = spans
+                .iter()
+                .flat_map(|&(b, to)| (from..to).map(move |p| (b * width + p) as u32))
+                .collect();
+            let rows = match at.len() == batch * width {
+                true => hidden.clone(),
+                false => hidden.take(&Array::from_slice(&at, &[at.len() as i32])?, 0)?,
+            };
+            let logits = self.model.logits(&rows)?; // [at.len(), V]
+            let argmax = match spans.iter().any(|&(b, _)| self.rows[b].sampler.is_argmax()) {
+                true => logits.argmax(-1, false)?.to_vec::<u32>()?,
+                false => Vec::new(),
+            };
+            let vocab = logits.dim(1)?;
+            let mut i = 0;
+            for &(b, to) in &spans {
+                let row = &mut self.rows[b];
+                for p in from..to {
+                    let pick = match row.sampler.is_argmax() {
+                        true => argmax[i + p - from],
+                        false => {
+                            let at = (i + p - from) as i32;
+                            let logits = logits.slice(&[at, 0], &[at + 1, vocab], &[1, 1])?;
+                            let seen: Vec<u32> =
+                                row.history.iter().chain(&picks[b]).copied().collect();
+                            row.sampler.sample(&logits, &seen)?.item::<u32>()?
+                        }
+                    };
+                    picks[b].push(pick);
+                    if drafts[b].get(p) != Some(&pick) {
+                        open[b] = false;
+                        break;
+                    }
+                }
+                i += to - from;
+            }
         }
-        let vocab = logits.dim(2)?;
-        let mut all = Vec::with_capacity(self.rows.len());
-        for (b, (row, drafts)) in self.rows.iter_mut().zip(drafts).enumerate() {
-            let (b, own) = (b as i32, drafts.len() as i32 + 1);
-            let logits = logits.slice(&[b, 0, 0], &[b + 1, own, vocab], &[1, 1, 1])?;
-            let logits = logits.reshape(&[own, vocab])?;
-            all.push(crate::speculative::picks(&logits, &mut row.sampler, &row.history, drafts)?);
-        }
-        Ok(all)
+        Ok(picks)
     }
 
     /// Reads and reports every token sampled ahead; the rows that end with it leave, the

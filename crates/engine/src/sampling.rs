@@ -110,6 +110,12 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether each pick is the argmax of its logits alone: greedy settings
+    /// ([`SamplingParams::is_greedy`]) and no grammar.
+    pub fn is_argmax(&self) -> bool {
+        self.grammar.is_none() && self.params.is_greedy()
+    }
+
     /// Picks the next token from `logits` `[1, V]`; `history` is every token so far (prompt
     /// and reply) for the penalties.
     ///

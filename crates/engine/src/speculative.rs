@@ -5,7 +5,7 @@
 //! the verify window `[bonus, d1 .. dk]` is appended in one forward pass, the target picks its
 //! own token at every position with its own sampler (greedy: the argmax; sampling: one draw
 //! from its seeded stream per emitted token, so the output equals non-speculative output at
-//! the same seed: mlx-vlm's rule, `shared/reference/engine.md` §0.4), a draft is accepted while
+//! the same seed: mlx-vlm's rule), a draft is accepted while
 //! it equals that pick, and the caches roll back to the kept positions. The target's pick at
 //! the first mismatch (or after the last draft) is the next round's bonus token. Rounds run
 //! in the one decode path, a row of a [`crate::batch::Batch`] that verifies
@@ -24,12 +24,9 @@ pub mod lookup;
 
 use std::path::PathBuf;
 
-use mlx::Array;
 use serde::{Deserialize, Serialize};
 
-use crate::Result;
 pub use crate::models::{DraftMethod, Target};
-use crate::sampling::Sampler;
 
 /// How a reply is decoded: plainly, or speculatively with a draft method (the same tokens
 /// either way).
@@ -146,30 +143,3 @@ impl SpecStats {
 
 /// The most tokens decoded plainly between two rounds after drafts kept failing.
 const MAX_BACKOFF: usize = 64;
-
-/// The target's pick after each position of a verify window from its logits `[L, V]`: greedy,
-/// one argmax over every position; sampled, drawn one by one in order and only while the
-/// drafts match (so the sampler's stream advances once per emitted token).
-pub(crate) fn picks(
-    logits: &Array,
-    sampler: &mut Sampler,
-    history: &[u32],
-    drafts: &[u32],
-) -> Result<Vec<u32>> {
-    if sampler.params().is_greedy() {
-        return Ok(logits.argmax(-1, false)?.to_vec::<u32>()?);
-    }
-    let (rows, v) = (logits.dim(0)?, logits.dim(1)?);
-    let mut picks = Vec::with_capacity(rows as usize);
-    let mut seen = history.to_vec();
-    for i in 0..rows {
-        let row = logits.slice(&[i, 0], &[i + 1, v], &[1, 1])?;
-        let pick = sampler.sample(&row, &seen)?.item::<u32>()?;
-        picks.push(pick);
-        seen.push(pick);
-        if drafts.get(i as usize) != Some(&pick) {
-            break;
-        }
-    }
-    Ok(picks)
-}

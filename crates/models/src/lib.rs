@@ -122,6 +122,10 @@ pub enum Rows {
     /// Only the last position (`[B, 1, V]`): prefill needs nothing else, and rows that feed no
     /// cache are dropped early (before KV-sharing layers and the head).
     Last,
+    /// No logits: the final-normed hidden state `[B, T, H]` of every position, for a caller
+    /// that takes only some positions to the head ([`Model::logits`]): a verify window whose
+    /// rows propose drafts of different lengths reads the head only at its own positions.
+    Hidden,
 }
 
 /// A causal language model over the cache stack.
@@ -159,7 +163,8 @@ pub trait Model: std::fmt::Debug {
     fn decode_graphs(&self) -> Option<&DecodeGraphs> {
         None
     }
-    /// [`Model::forward`] returning only `rows` of logits.
+    /// [`Model::forward`] returning only `rows` of logits (or, for [`Rows::Hidden`], the
+    /// final-normed hidden state instead).
     fn forward_rows(
         &self,
         tokens: &Array,
@@ -191,6 +196,10 @@ pub trait Model: std::fmt::Debug {
     fn decode_weight_bytes(&self) -> usize {
         0
     }
+    /// Logits `[…, vocab]` of final-normed hidden rows `[…, H]` (what a pass with
+    /// [`Rows::Hidden`] returns, or any rows taken from it): the output head and whatever
+    /// the family applies after it, exactly as a pass returning logits applies them.
+    fn logits(&self, hidden: &Array) -> Result<Array>;
     /// Vocabulary size of the output head.
     fn vocab_size(&self) -> usize;
     /// Longest sequence the model supports.

@@ -23,7 +23,7 @@
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use engine::batch::{Batch, BatchEvent};
+use engine::batch::{Batch, BatchEvent, VerifyHead};
 use engine::generate::GenerateRequest;
 use engine::models::Model;
 use engine::speculative::draft_model::DraftModel;
@@ -78,8 +78,19 @@ pub struct Args {
     /// the model's tokenizer (its BOS first), instead of synthetic ids.
     #[arg(long, conflicts_with = "compare")]
     text: Option<std::path::PathBuf>,
+    /// How verify rounds read the output head (default: as the backend favours, by position
+    /// on the CPU, the whole window elsewhere; for A/B runs).
+    #[arg(long, value_enum)]
+    verify_head: Option<VerifyHeadArg>,
     #[command(flatten)]
     load: LoadArgs,
+}
+
+/// `--verify-head`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum VerifyHeadArg {
+    Window,
+    ByPosition,
 }
 
 /// Stream `s`'s prompt: `bench`'s synthetic formula shifted by `101·s` (kept in step with
@@ -125,7 +136,11 @@ fn run_once(
     prompts: &[Vec<u32>],
 ) -> anyhow::Result<Run> {
     let streams = prompts.len();
-    let mut batch = Batch::new(model);
+    let mut batch = match args.verify_head {
+        None => Batch::new(model),
+        Some(VerifyHeadArg::Window) => Batch::with_verify_head(model, VerifyHead::Window),
+        Some(VerifyHeadArg::ByPosition) => Batch::with_verify_head(model, VerifyHead::ByPosition),
+    };
     let mut tokens = vec![Vec::new(); streams];
     let mut drafts = (0, 0);
     let mut record = |events: Vec<BatchEvent>, tokens: &mut Vec<Vec<u32>>| {

@@ -295,6 +295,9 @@ impl Model for OtherVocabulary {
     ) -> engine::Result<Array> {
         panic!("a refused draft model ran");
     }
+    fn logits(&self, _: &Array) -> engine::Result<Array> {
+        panic!("a refused draft model ran");
+    }
     fn vocab_size(&self) -> usize {
         262_144
     }

@@ -380,7 +380,8 @@ impl Weights<'_> {
 
 impl Decoder {
     /// The decoder over embeddings `h` `[1, T, H]`; `ple_ids` are the ids the per-layer token
-    /// embeddings read. Returns the logits and the final-normed hidden state.
+    /// embeddings read. Returns the logits (the hidden state again for [`Rows::Hidden`]) and
+    /// the final-normed hidden state.
     fn run(
         &self,
         pass: &Pass<'_>,
@@ -450,15 +451,22 @@ impl Decoder {
             Some(normed) => normed,
             None => self.norm.forward(&h)?,
         };
+        if rows == Rows::Hidden {
+            return Ok((h.clone(), h));
+        }
+        Ok((self.logits(&h, ops)?, h))
+    }
+
+    /// The head over final-normed hidden rows, soft-capped where the config says.
+    fn logits(&self, h: &Array, ops: &Ops) -> Result<Array> {
         let logits = match &self.lm_head {
-            Some(head) => head.forward(&h, ops)?,
-            None => self.embed_tokens.as_linear(&h, ops)?,
+            Some(head) => head.forward(h, ops)?,
+            None => self.embed_tokens.as_linear(h, ops)?,
         };
-        let logits = match &self.constants.softcap {
+        Ok(match &self.constants.softcap {
             Some(c) => logits.divide(c)?.tanh()?.multiply(c)?,
             None => logits,
-        };
-        Ok((logits, h))
+        })
     }
 }
 
@@ -590,6 +598,10 @@ impl Model for Gemma4Text {
             .as_ref()
             .map_or_else(|| self.decoder.embed_tokens.nbytes(), Linear::nbytes);
         layers + ple + head
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array> {
+        self.decoder.logits(hidden, &self.ops)
     }
 
     fn vocab_size(&self) -> usize {

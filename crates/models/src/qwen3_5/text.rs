@@ -273,7 +273,10 @@ impl Qwen35Text {
         let h = self.norm.forward(&h)?;
         // Kept for a multi-token-prediction head, which reads the rows it returns.
         *self.last_hidden.borrow_mut() = Some(h.clone());
-        self.head(&h)
+        match rows {
+            Rows::Hidden => Ok(h),
+            Rows::All | Rows::Last => self.head(&h),
+        }
     }
 
     /// Cosines and sines `[1, 1, T, rotary_dims]` (in `dtype`) of multimodal positions
@@ -489,6 +492,10 @@ impl Model for Qwen35Text {
 
     fn decode_weight_bytes(&self) -> usize {
         0
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array> {
+        self.head(hidden)
     }
 
     fn vocab_size(&self) -> usize {
