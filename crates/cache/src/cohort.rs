@@ -237,7 +237,7 @@ impl Cache for CohortCache {
         }
     }
     /// A cohort does not batch: its rows do, once finalized.
-    fn empty_rows(&self, _rounds: super::Rounds) -> Option<Box<dyn Cache>> {
+    fn empty_rows(&self, _layout: super::RowLayout) -> Option<Box<dyn Cache>> {
         None
     }
 }

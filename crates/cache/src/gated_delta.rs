@@ -717,7 +717,7 @@ impl Cache for RecurrentCache {
         Some(self)
     }
 
-    fn empty_rows(&self, _rounds: super::Rounds) -> Option<Box<dyn Cache>> {
+    fn empty_rows(&self, _layout: super::RowLayout) -> Option<Box<dyn Cache>> {
         Some(Box::new(super::RecurrentRows::new(self.shape)))
     }
 

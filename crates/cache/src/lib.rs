@@ -170,12 +170,12 @@ pub trait Cache: std::fmt::Debug {
         None
     }
     /// An empty batch of rows of this storage, for a batched forward pass (the engine's batch):
-    /// this cache, and others of its signature, join it as rows. With `rounds`, a batch whose
-    /// rows verify drafts: it resolves speculative rounds with one keep count per row
+    /// this cache, and others of its signature, join it as rows, in `layout` where the storage
+    /// has more than one. Every batch resolves speculative rounds with one keep count per row
     /// ([`BatchRows::rollback_rows`]). `None`: this state does not batch (so).
-    fn empty_rows(&self, rounds: Rounds) -> Option<Box<dyn Cache>> {
+    fn empty_rows(&self, layout: RowLayout) -> Option<Box<dyn Cache>> {
         // Keys and values batch as rows each in its own storage, which resolves rounds too.
-        let _ = rounds;
+        let _ = layout;
         self.as_attention().map(|_| Box::new(CacheRows::new()) as Box<dyn Cache>)
     }
     /// This cache's contents, taken out as a gated DeltaNet layer's state (leaving it empty),
@@ -243,21 +243,21 @@ macro_rules! rows_cache_methods {
         }
 
         /// A batch does not nest.
-        fn empty_rows(&self, _rounds: super::Rounds) -> Option<Box<dyn Cache>> {
+        fn empty_rows(&self, _layout: super::RowLayout) -> Option<Box<dyn Cache>> {
             None
         }
     };
 }
 pub(crate) use rows_cache_methods;
 
-/// Whether a batch of rows resolves speculative rounds ([`Cache::empty_rows`]).
+/// How a batch keeps its rows ([`Cache::empty_rows`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rounds {
-    /// Rows decode one position a step.
-    No,
-    /// Rows verify drafts: a step appends a window to every row and each row keeps its own
-    /// count of it.
-    PerRow,
+pub enum RowLayout {
+    /// In one layout for the batch's one storage: full-precision plain and ring rows share
+    /// buffers ([`SlotRows`]), decode steps and speculative rounds alike.
+    Shared,
+    /// Each row in its own storage ([`CacheRows`]): rows of different storages.
+    Separate,
 }
 
 /// A layer's state for several sequences at once, each at its own offset: the layout a batched

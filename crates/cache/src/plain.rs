@@ -245,8 +245,8 @@ impl Cache for PlainCache {
         Some(self)
     }
 
-    fn empty_rows(&self, rounds: super::Rounds) -> Option<Box<dyn Cache>> {
-        Some(super::slot_rows::kv_rows(self.precision.encoding(), rounds))
+    fn empty_rows(&self, layout: super::RowLayout) -> Option<Box<dyn Cache>> {
+        Some(super::slot_rows::kv_rows(self.precision.encoding(), layout))
     }
 
     fn take_slots(&mut self) -> Option<super::SlotRow> {

@@ -116,7 +116,7 @@ impl Cache for PositionCache {
         Some(self)
     }
 
-    fn empty_rows(&self, _rounds: super::Rounds) -> Option<Box<dyn Cache>> {
+    fn empty_rows(&self, _layout: super::RowLayout) -> Option<Box<dyn Cache>> {
         Some(Box::new(PositionRows::default()))
     }
 

@@ -15,9 +15,19 @@
 //! buffers (one copy each); when one row is left, it goes back to its own storage.
 //!
 //! Rows join after their own prefill and leave as single-sequence caches holding bit for bit
-//! what the same appends leave in their own storage. Speculative rounds, windows of several
-//! positions and encoded (quantized) storage batch in [`super::CacheRows`] instead, each row in
-//! its own storage.
+//! what the same appends leave in their own storage. Encoded (quantized) storage, and rows of
+//! different storages, batch in [`super::CacheRows`] instead, each row in its own storage.
+//!
+//! A speculative round appends a window of `L` positions to every row in one write per part:
+//! row `b`'s positions go to the slots `L` decode steps would write (a plain row's from its
+//! cursor on, a ring's wrapping round the window). The read is every row's own read padded:
+//! a plain row's stored slots and its new positions on the right; a ring row's last
+//! `window − 1` positions in temporal order (one gather from the slots the round is about to
+//! write, as its own storage reads them), then its new ones, padded on the left. A rollback
+//! keeps `keep[b]` of row `b`'s positions: a plain row just forgets the rest (the slots past
+//! its end are never read), a ring row puts back what the round overwrote in the slots of the
+//! positions it drops (kept from the write, one update per part). A round over ring rows
+//! appends at most `window` positions ([`Cache::max_append`]), so that no slot is written twice.
 
 use mlx::{Array, ops};
 
@@ -77,11 +87,11 @@ impl SlotRow {
 }
 
 /// The batch of rows plain and ring storage of `encoding` make ([`Cache::empty_rows`]): full
-/// precision decodes in shared buffers ([`SlotRows`]); encoded storage's rows, and rows that
-/// verify drafts, each keep their own ([`super::CacheRows`]).
-pub(crate) fn kv_rows(encoding: kv::KvEncoding, rounds: super::Rounds) -> Box<dyn Cache> {
-    match (encoding.format.is_full(), rounds) {
-        (true, super::Rounds::No) => Box::new(SlotRows::new()),
+/// precision in shared buffers ([`SlotRows`]) unless each row must keep its own storage;
+/// encoded storage's rows each keep their own ([`super::CacheRows`]).
+pub(crate) fn kv_rows(encoding: kv::KvEncoding, layout: super::RowLayout) -> Box<dyn Cache> {
+    match (encoding.format.is_full(), layout) {
+        (true, super::RowLayout::Shared) => Box::new(SlotRows::new()),
         _ => Box::new(super::CacheRows::new()),
     }
 }
@@ -92,6 +102,8 @@ pub struct SlotRows {
     layout: Layout,
     /// The rows' storage signature, from the first row that joined.
     signature: Option<String>,
+    /// Whether a speculative round is armed (a lone row's is its own storage's).
+    armed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -110,6 +122,32 @@ struct Shared {
     parts: Option<Vec<Array>>,
     /// Each row's bookkeeping; its `parts` are `None` (they live in the shared buffers).
     rows: Vec<SlotRow>,
+    /// The armed speculative round.
+    round: Option<Round>,
+}
+
+/// What an armed round over shared rows goes back to.
+#[derive(Debug)]
+struct Round {
+    /// Each row's `(offset, stored, cursor)` when the round began.
+    starts: Vec<(usize, usize, usize)>,
+    /// Positions appended to every row since.
+    appended: usize,
+    /// A ring's writes, in order: what each overwrote (a plain row's slots past its end hold
+    /// nothing it reads).
+    writes: Vec<RingWrite>,
+}
+
+/// One append of a round into ring rows' slots.
+#[derive(Debug)]
+struct RingWrite {
+    /// The round's count of positions before this append.
+    first: usize,
+    /// The slot of each row's each new position, `[B, 1, L, 1]`.
+    at: Array,
+    /// What those slots held before, and what the append wrote there, per part.
+    old: Vec<Array>,
+    new: Vec<Array>,
 }
 
 impl SlotRows {
@@ -178,9 +216,12 @@ impl SlotRows {
                     row.append_window(keys, values)
                 }
             }
+            Layout::Shared(shared) if shared.round.is_some() && !decode => {
+                shared.append_window(keys, values)
+            }
             Layout::Shared(_) if length != 1 => Err(Error::InvalidRequest(format!(
-                "rows sharing buffers append one position a step, not {length}: a row \
-                 prefills alone and joins"
+                "rows sharing buffers append one position a step outside a speculative round, \
+                 not {length}: a row prefills alone and joins"
             ))),
             Layout::Shared(shared) => shared.append_decode(keys, values),
         }
@@ -191,7 +232,7 @@ impl Shared {
     /// Rows from their taken-apart storage, each padded on the right to the buffers'
     /// capacity and stacked on the batch axis.
     fn of(rows: Vec<SlotRow>) -> Result<Shared> {
-        let mut shared = Shared { parts: None, rows: Vec::with_capacity(rows.len()) };
+        let mut shared = Shared { parts: None, rows: Vec::with_capacity(rows.len()), round: None };
         for row in rows {
             shared.push(row)?;
         }
@@ -338,6 +379,14 @@ impl Shared {
             Some(parts) => Shared::grow(parts, capacity)?,
             None => kv::zero_positions(&new, capacity)?,
         };
+        self.check_round_room(1)?;
+        if window.is_some() && self.round.is_some() {
+            let at: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
+            self.record_ring_write(&buffers, &at, 1, &new)?;
+        }
+        if let Some(round) = &mut self.round {
+            round.appended += 1;
+        }
         let buffers = if slots.iter().all(|&s| s == slots[0]) {
             kv::write_positions(&buffers, &new, slots[0])?
         } else {
@@ -368,6 +417,232 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Refuses an append of `length` positions that would take a round over ring rows past
+    /// their window (the slots it writes would repeat).
+    fn check_round_room(&self, length: usize) -> Result<()> {
+        let (Some(round), Some(window)) = (&self.round, self.rows.first().and_then(|r| r.window))
+        else {
+            return Ok(());
+        };
+        if round.appended + length > window {
+            return Err(round_error(&format!(
+                "a round over rows sharing a ring of {window} appends at most {window} positions, \
+                 not {}",
+                round.appended + length
+            )));
+        }
+        Ok(())
+    }
+
+    /// Records what an append of the armed round is about to overwrite in ring rows: the
+    /// slots `at` (`B × L`, row-major) of `buffers`, and what goes there.
+    fn record_ring_write(
+        &mut self,
+        buffers: &[Array],
+        at: &[i32],
+        length: usize,
+        new: &[Array],
+    ) -> Result<()> {
+        let Some(round) = &mut self.round else {
+            return Ok(());
+        };
+        let at = Array::from_slice(at, &[self.rows.len() as i32, 1, length as i32, 1])?;
+        let old =
+            buffers.iter().map(|b| Ok(b.take_along_axis(&at, 2)?)).collect::<Result<Vec<_>>>()?;
+        round.writes.push(RingWrite { first: round.appended, at, old, new: new.to_vec() });
+        Ok(())
+    }
+
+    /// Arms a round on every row.
+    fn begin_round(&mut self) -> Result<()> {
+        if self.round.is_some() {
+            return Err(round_error("a round is already armed"));
+        }
+        let starts = self.rows.iter().map(|r| (r.offset, r.stored, r.cursor)).collect();
+        self.round = Some(Round { starts, appended: 0, writes: Vec::new() });
+        Ok(())
+    }
+
+    /// Ends the armed round keeping the first `keep[b]` positions row `b` appended: each row
+    /// as if only those had been appended, one decode step each. A count above what was
+    /// appended is refused before any row changes.
+    fn end_round(&mut self, keep: &[usize]) -> Result<()> {
+        let round = self.round.as_ref().ok_or_else(|| round_error("rollback without a round"))?;
+        if keep.len() != self.rows.len() {
+            return Err(round_error(&format!(
+                "{} keep counts for {} rows",
+                keep.len(),
+                self.rows.len()
+            )));
+        }
+        if let Some((row, k)) = keep.iter().enumerate().find(|(_, k)| **k > round.appended) {
+            return Err(round_error(&format!(
+                "row {row} cannot keep {k} of the {} positions appended",
+                round.appended
+            )));
+        }
+        let Some(round) = self.round.take() else {
+            return Err(round_error("rollback without a round"));
+        };
+        // Ring slots of the positions a row drops get back what they held.
+        if keep.iter().any(|&k| k < round.appended) {
+            for write in &round.writes {
+                let length = write.at.dim(2)? as usize;
+                let mut kept = Vec::with_capacity(keep.len() * length);
+                for &k in keep {
+                    kept.extend((0..length).map(|i| write.first + i < k));
+                }
+                let kept = Array::from_slice(&kept, &[keep.len() as i32, 1, length as i32, 1])?;
+                let parts =
+                    self.parts.take().ok_or_else(|| round_error("a round wrote nothing"))?;
+                self.parts = Some(
+                    parts
+                        .iter()
+                        .zip(write.new.iter().zip(&write.old))
+                        .map(|(buffer, (new, old))| {
+                            let back = ops::where_(&kept, new, old)?;
+                            Ok(buffer.put_along_axis(&write.at, &back, 2)?)
+                        })
+                        .collect::<Result<Vec<_>>>()?,
+                );
+            }
+        }
+        for ((row, &(offset, stored, cursor)), &k) in
+            self.rows.iter_mut().zip(&round.starts).zip(keep)
+        {
+            (row.offset, row.stored, row.cursor) = (offset, stored, cursor);
+            for _ in 0..k {
+                row.advance();
+            }
+        }
+        Ok(())
+    }
+
+    /// A round's window: `L` new positions per row (`[B, H, L, D]`) into the slots `L` decode
+    /// steps would write; the read of each row's own read, padded (see the module docs).
+    fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
+        let first = self.rows.first().ok_or_else(|| Error::InvalidRequest("no rows".into()))?;
+        let (codec, ops_, window) =
+            (first.precision.codec().clone(), first.ops.clone(), first.window);
+        let length = keys.dim(2)? as usize;
+        self.check_round_room(length)?;
+        let new = codec.encode_kv(keys, values)?;
+        let batch = self.rows.len();
+        let slot = |r: &SlotRow, i: usize| match r.window {
+            None => r.cursor + i,
+            Some(w) => (r.cursor + i) % w,
+        };
+        let highest = self.rows.iter().map(|r| slot(r, length - 1)).max().unwrap_or(0);
+        let capacity = Shared::capacity_for(window, highest + 1);
+        let buffers = match &self.parts {
+            Some(parts) => Shared::grow(parts, capacity)?,
+            None => kv::zero_positions(&new, capacity)?,
+        };
+        let at: Vec<i32> =
+            self.rows.iter().flat_map(|r| (0..length).map(move |i| slot(r, i) as i32)).collect();
+        // A ring row reads its history as its own storage does, before the write.
+        let history = match window {
+            Some(window) => self.ring_history(&buffers, window)?,
+            None => None,
+        };
+        if window.is_some() {
+            self.record_ring_write(&buffers, &at, length, &new)?;
+        }
+        if let Some(round) = &mut self.round {
+            round.appended += length;
+        }
+        let contiguous = self.rows.iter().all(|r| r.cursor == self.rows[0].cursor)
+            && self.rows[0].cursor + length <= capacity;
+        let written = if contiguous {
+            kv::write_positions(&buffers, &new, self.rows[0].cursor)?
+        } else {
+            let at = Array::from_slice(&at, &[batch as i32, 1, length as i32, 1])?;
+            buffers
+                .iter()
+                .zip(&new)
+                .map(|(buffer, n)| Ok(buffer.put_along_axis(&at, n, 2)?))
+                .collect::<Result<Vec<_>>>()?
+        };
+        let before: Vec<usize> = self.rows.iter().map(|r| r.stored).collect();
+        for row in &mut self.rows {
+            for _ in 0..length {
+                row.advance();
+            }
+        }
+        self.parts = Some(written.clone());
+        let rule = if length == 1 { ReadMask::None } else { ReadMask::Causal };
+        match (window, history) {
+            (None, _) => {
+                // A plain row's slots in order, its new positions after them, padded right.
+                let ends: Vec<usize> = before.iter().map(|s| s + length).collect();
+                let longest = ends.iter().copied().max().unwrap_or(0);
+                let read = kv::positions(&written, 0, longest)?;
+                if ends.iter().all(|&e| e == longest) {
+                    return Ok(AttentionRead::masked(read, &codec, rule, &ops_));
+                }
+                let mut visible = Vec::with_capacity(batch * length * longest);
+                for &start in &before {
+                    for i in 0..length {
+                        visible.extend((0..longest).map(|j| j <= start + i));
+                    }
+                }
+                let mask =
+                    Array::from_slice(&visible, &[batch as i32, 1, length as i32, longest as i32])?;
+                Ok(AttentionRead::masked(read, &codec, ReadMask::Array(mask), &ops_))
+            }
+            (Some(_), None) => Ok(AttentionRead::masked(new, &codec, rule, &ops_)),
+            (Some(window), Some((prior, priors))) => {
+                let read = kv::concat_positions(&prior, &new)?;
+                let most = priors.iter().copied().max().unwrap_or(0);
+                if priors.iter().all(|&p| p == most) && most + length <= window {
+                    return Ok(AttentionRead::masked(read, &codec, rule, &ops_));
+                }
+                let total = most + length;
+                let mut visible = Vec::with_capacity(batch * length * total);
+                for &p in &priors {
+                    let pad = most - p;
+                    for i in 0..length {
+                        visible.extend(
+                            (0..total).map(|j| {
+                                j >= pad && j - pad <= p + i && p + i - (j - pad) < window
+                            }),
+                        );
+                    }
+                }
+                let mask =
+                    Array::from_slice(&visible, &[batch as i32, 1, length as i32, total as i32])?;
+                Ok(AttentionRead::masked(read, &codec, ReadMask::Array(mask), &ops_))
+            }
+        }
+    }
+
+    /// Each ring row's last `window − 1` stored positions in temporal order (what its own
+    /// storage reads before a window's new ones), left-padded to the most any row has, with
+    /// each row's count; `None` while no row stores a position.
+    fn ring_history(
+        &self,
+        buffers: &[Array],
+        window: usize,
+    ) -> Result<Option<(Vec<Array>, Vec<usize>)>> {
+        let priors: Vec<usize> = self.rows.iter().map(|r| r.stored.min(window - 1)).collect();
+        let most = priors.iter().copied().max().unwrap_or(0);
+        if most == 0 {
+            return Ok(None);
+        }
+        let mut at = Vec::with_capacity(self.rows.len() * most);
+        for (row, &p) in self.rows.iter().zip(&priors) {
+            // The oldest of the row's last `p` positions sits `p` slots before its cursor.
+            at.extend(std::iter::repeat_n(0, most - p));
+            at.extend((0..p).map(|t| ((row.cursor + window - p + t) % window) as i32));
+        }
+        let at = Array::from_slice(&at, &[self.rows.len() as i32, 1, most as i32, 1])?;
+        let prior =
+            buffers.iter().map(|b| Ok(b.take_along_axis(&at, 2)?)).collect::<Result<Vec<_>>>()?;
+        Ok(Some((prior, priors)))
+    }
+}
+
 /// Zero slots for `rows` rows, `capacity` slots each, shaped like `like`'s parts.
 fn zero_rows(like: &[Array], rows: usize, capacity: usize) -> Result<Vec<Array>> {
     like.iter()
@@ -395,7 +670,8 @@ fn stack_rows(rows: &[Array], row: &[Array]) -> Result<Vec<Array>> {
 }
 
 /// A batch is one layer's cache in a batched forward pass; see [`super::CacheRows`]'s for what
-/// each call means. Whole-batch persistence, trims and rounds are refused.
+/// each call means. Whole-batch persistence and trims are refused; rows join and leave outside
+/// rounds.
 impl Cache for SlotRows {
     /// The longest row's offset (each row's: [`Cache::row_offsets`]).
     fn offset(&self) -> usize {
@@ -439,19 +715,52 @@ impl Cache for SlotRows {
         }
     }
 
+    /// A ring's window while its rows share buffers (a round writes each slot at most once);
+    /// a lone row's own storage's limit.
+    fn max_append(&self) -> Option<usize> {
+        match &self.layout {
+            Layout::Empty => None,
+            Layout::Lone(row) => row.max_append(),
+            Layout::Shared(shared) => {
+                let window = shared.rows.first()?.window?;
+                let appended = shared.round.as_ref().map_or(0, |r| r.appended);
+                Some(window - appended)
+            }
+        }
+    }
+
     fn spec_round_begin(&mut self) -> Result<()> {
-        Err(round_error(
-            "rows sharing buffers run no speculative rounds: rows that verify drafts batch each \
-             in its own storage (CacheRows)",
-        ))
+        if self.armed {
+            return Err(round_error("a round is already armed"));
+        }
+        match &mut self.layout {
+            Layout::Empty => return Err(round_error("a round over no rows")),
+            Layout::Lone(row) => row.spec_round_begin()?,
+            Layout::Shared(shared) => shared.begin_round()?,
+        }
+        self.armed = true;
+        Ok(())
     }
 
     fn spec_round_commit(&mut self) -> Result<()> {
-        Err(round_error("commit without a round"))
+        if !self.armed {
+            return Err(round_error("commit without a round"));
+        }
+        match &mut self.layout {
+            Layout::Empty => return Err(round_error("commit without a round")),
+            Layout::Lone(row) => row.spec_round_commit()?,
+            Layout::Shared(shared) => {
+                let appended = shared.round.as_ref().map_or(0, |r| r.appended);
+                shared.end_round(&vec![appended; shared.rows.len()])?;
+            }
+        }
+        self.armed = false;
+        Ok(())
     }
 
-    fn spec_round_rollback(&mut self, _keep: usize) -> Result<()> {
-        Err(round_error("rollback without a round"))
+    /// The same count for every row ([`BatchRows::rollback_rows`] takes one per row).
+    fn spec_round_rollback(&mut self, keep: usize) -> Result<()> {
+        self.rollback_rows(&vec![keep; self.batch_size()])
     }
 
     fn as_attention(&self) -> Option<&dyn AttentionCache> {
@@ -497,6 +806,9 @@ impl BatchRows for SlotRows {
     /// A row that cannot be taken apart ([`Cache::take_slots`]: another storage, an armed
     /// round) is refused, and nothing changes.
     fn merge_row(&mut self, mut row: Box<dyn Cache>) -> Result<()> {
+        if self.armed {
+            return Err(round_error("cannot merge a row inside a round"));
+        }
         self.check_signature(row.as_ref())?;
         let signature = row.signature();
         self.layout = match std::mem::take(&mut self.layout) {
@@ -537,7 +849,28 @@ impl BatchRows for SlotRows {
         Ok(())
     }
 
+    fn rollback_rows(&mut self, keep: &[usize]) -> Result<()> {
+        if !self.armed {
+            return Err(round_error("rollback without a round"));
+        }
+        match &mut self.layout {
+            Layout::Empty => return Err(round_error("rollback without a round")),
+            Layout::Lone(row) => match keep {
+                [keep] => row.spec_round_rollback(*keep)?,
+                _ => {
+                    return Err(round_error(&format!("{} keep counts for 1 row", keep.len())));
+                }
+            },
+            Layout::Shared(shared) => shared.end_round(keep)?,
+        }
+        self.armed = false;
+        Ok(())
+    }
+
     fn extract_row(&mut self, row: usize) -> Result<Box<dyn Cache>> {
+        if self.armed {
+            return Err(round_error("cannot extract a row inside a round"));
+        }
         if row >= self.batch_size() {
             return Err(Error::InvalidRequest(format!(
                 "row {row} of a batch of {}",
@@ -566,7 +899,8 @@ impl AttentionCache for SlotRows {
         self.append(keys, values, true)
     }
 
-    /// A lone row's window; rows sharing buffers take windows of one position only.
+    /// A lone row's window; rows sharing buffers take windows of several positions inside a
+    /// speculative round (see the module docs), of one position outside.
     fn append_window(&mut self, keys: &Array, values: &Array) -> Result<AttentionRead> {
         self.append(keys, values, false)
     }
@@ -579,6 +913,9 @@ impl AttentionCache for SlotRows {
     /// A lone row takes part in a compiled decode step through its own storage; rows sharing
     /// buffers take part together ([`DecodeFetch::Rows`]).
     fn compiled(&mut self) -> Option<&mut dyn CompiledDecodeCache> {
+        if self.armed {
+            return None;
+        }
         if matches!(self.layout, Layout::Shared(_)) {
             return Some(self);
         }

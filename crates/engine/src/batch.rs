@@ -9,11 +9,11 @@
 //! in one batched pass: each layer's state is a batch of rows
 //! ([`crate::cache::BatchRows`], made by [`crate::cache::Cache::empty_rows`]): full-precision
 //! keys and values in [`crate::cache::SlotRows`], one buffer per part shared by every row, each
-//! row in the slots its own storage would use, while every row decodes plainly in one storage;
-//! else (a row drafts, or rows keep their keys and values in different storages: full
-//! precision beside 4-bit, TurboQuant, …) each row in its own storage, in
-//! [`crate::cache::CacheRows`], which resolves a round per row; rows move between the two as
-//! they join and leave. Gated DeltaNet state sits in [`crate::cache::RecurrentRows`], one
+//! row in the slots its own storage would use, while every row keeps its keys and values in one
+//! full-precision storage (drafting rows verify in those buffers too); else (encoded storage,
+//! or rows of different storages: full precision beside 4-bit, TurboQuant, …) each row in its
+//! own storage, in [`crate::cache::CacheRows`]; rows move between the two as they join and
+//! leave. Both resolve a speculative round per row. Gated DeltaNet state sits in [`crate::cache::RecurrentRows`], one
 //! recurrence for every row, and a multimodal-RoPE model's position shifts in
 //! [`crate::cache::PositionRows`]. The model rotates each row at its own position
 //! ([`crate::cache::Cache::row_offsets`]). A decode step runs the model's compiled step where
@@ -41,7 +41,7 @@ use std::time::Instant;
 
 use mlx::Array;
 
-use crate::cache::{BatchRows, Cache, Cohort, Rounds, stack_max_append, stack_offset};
+use crate::cache::{BatchRows, Cache, Cohort, RowLayout, stack_max_append, stack_offset};
 use crate::generate::{Flow, GenerateRequest, Generation, GenerationStats, StopReason};
 use crate::models::{Model, Phase, Rows, target_lacks};
 use crate::sampling::Sampler;
@@ -260,11 +260,10 @@ pub struct Batch<'m> {
     /// One batch of rows per cache layer (empty before the first row joins).
     layers: Vec<Box<dyn Cache>>,
     rows: Vec<Row<'m>>,
-    /// The layout the layers keep their rows in: shared buffers while every row decodes
-    /// plainly in one storage ([`Rounds::No`]), else each row in its own storage, which
-    /// resolves a round per row ([`Rounds::PerRow`]: a row drafts, or rows keep their keys and
-    /// values in different storages). Rows move between them as they join and leave.
-    rounds: Rounds,
+    /// The layout the layers keep their rows in: shared buffers while every row keeps its keys
+    /// and values in one storage ([`RowLayout::Shared`], drafting rows too), else each row in
+    /// its own storage ([`RowLayout::Separate`]). Rows move between them as they join and leave.
+    layout: RowLayout,
     /// How a verify round reads the output head.
     verify_head: VerifyHead,
 }
@@ -302,7 +301,13 @@ impl<'m> Batch<'m> {
 
     /// An empty batch over `model` that reads verify rounds' heads as `verify_head` says.
     pub fn with_verify_head(model: &'m dyn Model, verify_head: VerifyHead) -> Batch<'m> {
-        Batch { model, layers: Vec::new(), rows: Vec::new(), rounds: Rounds::No, verify_head }
+        Batch {
+            model,
+            layers: Vec::new(),
+            rows: Vec::new(),
+            layout: RowLayout::Shared,
+            verify_head,
+        }
     }
 
     /// Rows decoding now.
@@ -473,12 +478,12 @@ impl<'m> Batch<'m> {
     fn enter(&mut self, mut row: Row<'m>, caches: Vec<Box<dyn Cache>>) -> Result<()> {
         row.storage = caches.iter().map(|c| c.signature()).collect();
         self.rows.push(row);
-        let rounds = self.rounds_needed();
-        let merged = self.relayout(rounds).and_then(|()| {
+        let layout = self.layout_needed();
+        let merged = self.relayout(layout).and_then(|()| {
             if self.layers.is_empty() {
                 self.layers = caches
                     .iter()
-                    .map(|c| c.empty_rows(self.rounds).ok_or_else(|| unbatched(c.as_ref())))
+                    .map(|c| c.empty_rows(self.layout).ok_or_else(|| unbatched(c.as_ref())))
                     .collect::<Result<_>>()?;
             }
             for (layer, cache) in self.layers.iter_mut().zip(caches) {
@@ -492,20 +497,19 @@ impl<'m> Batch<'m> {
         merged
     }
 
-    /// The layout the rows need ([`Batch::rounds`]).
-    fn rounds_needed(&self) -> Rounds {
-        let drafts = self.rows.iter().any(|r| r.drafting.is_some());
+    /// The layout the rows need ([`Batch::layout`]).
+    fn layout_needed(&self) -> RowLayout {
         let mixed = self.rows.windows(2).any(|w| w[0].storage != w[1].storage);
-        if drafts || mixed { Rounds::PerRow } else { Rounds::No }
+        if mixed { RowLayout::Separate } else { RowLayout::Shared }
     }
 
-    /// Moves every layer's rows to `rounds`' layout: each row leaves its layer as its own
-    /// storage and joins a new one, bit for bit what it held.
-    fn relayout(&mut self, rounds: Rounds) -> Result<()> {
-        if rounds == self.rounds {
+    /// Moves every layer's rows to `layout`: each row leaves its layer as its own storage and
+    /// joins a new one, bit for bit what it held.
+    fn relayout(&mut self, layout: RowLayout) -> Result<()> {
+        if layout == self.layout {
             return Ok(());
         }
-        self.rounds = rounds;
+        self.layout = layout;
         if self.layers.iter().any(|l| l.as_batch_rows().is_none_or(|r| r.batch_size() == 0)) {
             // No row to move: the next row to join makes the layers afresh.
             self.layers.clear();
@@ -516,7 +520,7 @@ impl<'m> Batch<'m> {
             let held =
                 (0..rows.batch_size()).map(|_| rows.extract_row(0)).collect::<Result<Vec<_>>>()?;
             let first = held.first().ok_or_else(|| unbatched(layer.as_ref()))?;
-            let mut moved = first.empty_rows(rounds).ok_or_else(|| unbatched(first.as_ref()))?;
+            let mut moved = first.empty_rows(layout).ok_or_else(|| unbatched(first.as_ref()))?;
             for row in held {
                 rows_of(moved.as_mut())?.merge_row(row)?;
             }
@@ -634,7 +638,6 @@ impl<'m> Batch<'m> {
     /// whose later drafts it would have kept (a user's stop, a stop string), so that it holds
     /// what it would hold had it stopped there decoding alone.
     pub fn step_with(&mut self, on_token: &mut OnToken<'_>) -> Result<Vec<BatchEvent>> {
-        // A drafting row keeps the layers in per-row storage ([`Batch::rounds_needed`]).
         if self.rows.iter().any(Row::may_draft) {
             return self.verify_step(on_token);
         }
@@ -973,8 +976,8 @@ impl<'m> Batch<'m> {
         if self.rows.is_empty() {
             self.layers.clear();
         }
-        let rounds = self.rounds_needed();
-        self.relayout(rounds)?;
+        let layout = self.layout_needed();
+        self.relayout(layout)?;
         row.finish(reason, caches)
     }
 
@@ -983,7 +986,7 @@ impl<'m> Batch<'m> {
         if self.rows.iter().any(|r| r.id == id) {
             return Err(Error::InvalidRequest(format!("row {id} is already in the batch")));
         }
-        if let Some(other) = caches.iter().find(|c| c.empty_rows(Rounds::PerRow).is_none()) {
+        if let Some(other) = caches.iter().find(|c| c.empty_rows(RowLayout::Separate).is_none()) {
             return Err(unbatched(other.as_ref()));
         }
         if self.layers.is_empty() || self.rows.is_empty() {

@@ -1,13 +1,13 @@
 //! Rows sharing one buffer per part ([`SlotRows`], the batched layout of full-precision plain
 //! and ring storage) against one single-sequence cache per row: rows that join at their own
-//! lengths, decode together and leave read what their own caches read and leave holding what
-//! their own caches hold, slot for slot.
+//! lengths, decode together, verify drafts in speculative rounds and leave read what their own
+//! caches read and leave holding what their own caches hold, slot for slot.
 
 use engine::cache::{AttentionCache, BatchRows, Cache, PlainCache, RotatingCache, SlotRows};
 use mlx::Array;
 use proptest::prelude::*;
 
-use crate::cache::{D, HKV, HQ, bitwise_equal, normal};
+use crate::cache::{D, HKV, HQ, bitwise_equal, max_diff, normal};
 
 /// Row `b` of `[B, H, L, D]`.
 fn row(x: &Array, b: usize) -> Array {
@@ -184,7 +184,14 @@ fn shared_rows_refuse_what_they_cannot_do_and_change_nothing() {
     assert!(err.contains("prefills alone"), "{err}");
     let wrong = normal(&[3, HKV, 1, D], 5);
     assert!(batch.append_decode(&wrong, &wrong).is_err(), "one slice per row");
-    assert!(batch.spec_round_begin().is_err());
+    // Inside a round, no row joins or leaves, and no row keeps more than was appended.
+    batch.spec_round_begin().unwrap();
+    assert!(batch.spec_round_begin().is_err(), "one round at a time");
+    assert!(batch.merge_row(prefilled(None, 2, 7)).is_err());
+    assert!(batch.extract_row(0).is_err());
+    assert!(batch.rollback_rows(&[1, 0]).is_err(), "nothing appended");
+    assert!(batch.rollback_rows(&[0]).is_err(), "one count per row");
+    batch.rollback_rows(&[0, 0]).unwrap();
     assert!(batch.state().is_err(), "a batch is saved row by row");
     assert_eq!(batch.row_offsets(), vec![3, 5]);
     let second = batch.extract_row(1).unwrap();
@@ -196,4 +203,153 @@ fn shared_rows_refuse_what_they_cannot_do_and_change_nothing() {
     assert!(!batch.is_shared());
     let first = batch.extract_row(0).unwrap();
     assert_same(first.as_ref(), prefilled(None, 3, 1).as_ref(), "lone row");
+}
+
+/// One round of a batch sharing buffers: `length` positions per row, as one verify window or
+/// as decode steps, then row `b` keeps `keeps[b]` of them (all, by a commit, when `commit`).
+#[derive(Debug, Clone)]
+struct SharedRound {
+    length: usize,
+    keeps: Vec<usize>,
+    as_window: bool,
+    commit: bool,
+}
+
+fn shared_rounds() -> impl Strategy<Value = Vec<SharedRound>> {
+    prop::collection::vec(
+        (1usize..7, prop::collection::vec(0usize..7, 5), any::<bool>(), any::<bool>()).prop_map(
+            |(length, keeps, as_window, commit)| SharedRound {
+                length,
+                keeps: keeps.into_iter().map(|k| k.min(length)).collect(),
+                as_window,
+                commit,
+            },
+        ),
+        1..7,
+    )
+}
+
+/// Rows of `window`'s storage at their own lengths (`prefixes`) share buffers through
+/// `rounds`, a decode step after each; beside them, each row's own cache runs the same round
+/// and keeps the same count. Every read a row gets is its own cache's (bit for bit where the
+/// read pads nothing: a decode step's; within 1e-6 for a padded window), and every row leaves
+/// holding what its own cache holds, slot for slot.
+fn shared_rounds_keep_what_each_rows_own_round_keeps(
+    window: Option<usize>,
+    prefixes: &[usize],
+    rounds: &[SharedRound],
+    seed: u64,
+) {
+    let rows = prefixes.len();
+    let mut batch = SlotRows::new();
+    let mut own: Vec<Box<dyn Cache>> = Vec::new();
+    for (b, &prefix) in prefixes.iter().enumerate() {
+        batch.merge_row(prefilled(window, prefix, seed + 10 * b as u64)).unwrap();
+        own.push(prefilled(window, prefix, seed + 10 * b as u64));
+    }
+    assert!(batch.is_shared());
+    for (n, round) in rounds.iter().enumerate() {
+        let context = format!("{window:?} round {n} {round:?} of {rounds:?}, {prefixes:?}");
+        let length = round.length.min(batch.max_append().unwrap_or(usize::MAX));
+        let keeps: Vec<usize> = round.keeps[..rows].iter().map(|&k| k.min(length)).collect();
+        let s = seed * 100 + n as u64 * 7;
+        let b32 = rows as i32;
+        let l = length as i32;
+        let (k, v, q) = (
+            normal(&[b32, HKV, l, D], s),
+            normal(&[b32, HKV, l, D], s + 1),
+            normal(&[b32, HQ, l, D], s + 2),
+        );
+        batch.spec_round_begin().unwrap();
+        own.iter_mut().for_each(|c| c.spec_round_begin().unwrap());
+        let at = |x: &Array, b: usize, i: i32, j: i32| {
+            let sh = x.shape();
+            x.slice(&[b as i32, 0, i, 0], &[b as i32 + 1, sh[1], j, sh[3]], &[1, 1, 1, 1]).unwrap()
+        };
+        let spans: Vec<(i32, i32)> = match round.as_window {
+            true => vec![(0, l)],
+            false => (0..l).map(|i| (i, i + 1)).collect(),
+        };
+        for &(i, j) in &spans {
+            let all = |x: &Array| {
+                let sh = x.shape();
+                x.slice(&[0, 0, i, 0], &[sh[0], sh[1], j, sh[3]], &[1, 1, 1, 1]).unwrap()
+            };
+            let read = match round.as_window {
+                true => batch.append_window(&all(&k), &all(&v)).unwrap(),
+                false => batch.append_decode(&all(&k), &all(&v)).unwrap(),
+            };
+            let x = read.attend(&all(&q), 0.5).unwrap();
+            for (b, cache) in own.iter_mut().enumerate() {
+                let cache = attention(cache.as_mut());
+                let (kb, vb) = (at(&k, b, i, j), at(&v, b, i, j));
+                let read = match round.as_window {
+                    true => cache.append_window(&kb, &vb).unwrap(),
+                    false => cache.append_decode(&kb, &vb).unwrap(),
+                };
+                let y = read.attend(&at(&q, b, i, j), 0.5).unwrap();
+                let xb = at(&x, b, 0, j - i);
+                if round.as_window && length > 1 {
+                    let diff = max_diff(&xb, &y);
+                    assert!(diff <= 1e-6, "row {b}'s window read is off by {diff}: {context}");
+                } else {
+                    assert!(bitwise_equal(&xb, &y), "row {b}'s read differs: {context}");
+                }
+            }
+        }
+        assert!(batch.extract_row(0).is_err(), "no row leaves inside a round");
+        if round.commit {
+            batch.spec_round_commit().unwrap();
+            own.iter_mut().for_each(|c| c.spec_round_commit().unwrap());
+        } else {
+            batch.rollback_rows(&keeps).unwrap();
+            for (c, &keep) in own.iter_mut().zip(&keeps) {
+                c.spec_round_rollback(keep).unwrap();
+            }
+        }
+        let offsets: Vec<usize> = own.iter().map(|c| c.offset()).collect();
+        assert_eq!(batch.row_offsets(), offsets, "{context}");
+        // Each row's slots, as its own storage lends them, are its own cache's.
+        for (b, cache) in own.iter().enumerate() {
+            let ours = batch.row_donor_read(b).unwrap().unwrap().keys_values().unwrap();
+            let theirs =
+                cache.as_attention().unwrap().donor_read().unwrap().unwrap().keys_values().unwrap();
+            assert!(bitwise_equal(&ours.0, &theirs.0), "row {b}'s keys: {context}");
+            assert!(bitwise_equal(&ours.1, &theirs.1), "row {b}'s values: {context}");
+        }
+        // A decode step after the round reads what each row's own cache reads.
+        let (k, v, q) = (
+            normal(&[b32, HKV, 1, D], s + 3),
+            normal(&[b32, HKV, 1, D], s + 4),
+            normal(&[b32, HQ, 1, D], s + 5),
+        );
+        let x = batch.append_decode(&k, &v).unwrap().attend(&q, 0.5).unwrap();
+        for (b, cache) in own.iter_mut().enumerate() {
+            let y = attention(cache.as_mut())
+                .append_decode(&row(&k, b), &row(&v, b))
+                .unwrap()
+                .attend(&row(&q, b), 0.5)
+                .unwrap();
+            assert!(bitwise_equal(&row(&x, b), &y), "row {b}'s next decode differs: {context}");
+        }
+    }
+    for b in (0..rows).rev() {
+        let ours = batch.extract_row(b).unwrap();
+        let theirs = own.pop().unwrap();
+        assert_same(ours.as_ref(), theirs.as_ref(), &format!("{window:?} row {b} leaving"));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    #[test]
+    fn plain_rows_in_shared_buffers_keep_what_their_own_rounds_keep(rounds in shared_rounds(), prefixes in prop::collection::vec(1usize..14, 2..5), seed in 0u64..1000) {
+        shared_rounds_keep_what_each_rows_own_round_keeps(None, &prefixes, &rounds, seed);
+    }
+
+    #[test]
+    fn ring_rows_in_shared_buffers_keep_what_their_own_rounds_keep(rounds in shared_rounds(), window in 1usize..9, prefixes in prop::collection::vec(1usize..14, 2..5), seed in 0u64..1000) {
+        shared_rounds_keep_what_each_rows_own_round_keeps(Some(window), &prefixes, &rounds, seed);
+    }
 }
