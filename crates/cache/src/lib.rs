@@ -45,8 +45,9 @@
 //! [`RecurrentCache`] (a gated DeltaNet layer's convolution tail and recurrent state, which
 //! rounds roll back by replaying the kept positions), and beside them [`PositionCache`] (where
 //! a multimodal-RoPE model's positions stand after its images). Rows of a
-//! batch: [`SlotRows`], full-precision plain or ring rows sharing one buffer per part;
-//! [`CacheRows`], each row in its own storage, a round resolved per row ([`Keep`]); and
+//! batch: [`SlotRows`], full-precision plain or ring rows sharing one buffer per part, a
+//! round resolved per row in them; [`CacheRows`], each row in its own storage, a round
+//! resolved per row ([`Keep`]); and
 //! [`RecurrentRows`], gated DeltaNet rows in one batch buffer.
 //!
 //! The crate also holds what the caches and the models above them run on and keep: the op

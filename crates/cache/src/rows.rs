@@ -15,9 +15,9 @@
 //!
 //! The cost of keeping rows apart: a batch of more than one row copies every row's visible keys
 //! and values into the stacked read at each append, several ops per row and layer. Full
-//! precision rows decode in shared buffers instead ([`super::SlotRows`], a few ops per layer
-//! whatever the row count); this layout is what encoded storage batches in, and what resolves a
-//! speculative round per row. A batch of one row reads straight from its storage.
+//! precision rows decode and verify in shared buffers instead ([`super::SlotRows`], a few ops
+//! per layer whatever the row count); this layout is what encoded storage batches in, and rows
+//! of different storages. A batch of one row reads straight from its storage.
 
 use mlx::{Array, Dtype, ops};
 
