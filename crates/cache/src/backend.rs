@@ -273,7 +273,8 @@ pub struct KernelOptions {
     pub quantized_matvec: bool,
     /// Short windows of queries (a verify round's) attended by MLX's ops instead of MLX's
     /// fused attention, which on CUDA builds a cuDNN graph for every new key length. Off by
-    /// default until an A/B on the GPU machine says which is faster.
+    /// default: once CUDA's kernels are compiled the two cost the same (`docs/benchmarks.md`,
+    /// "Drafting in a batch").
     pub window_by_ops: bool,
 }
 

@@ -380,24 +380,14 @@ impl Shared {
             None => kv::zero_positions(&new, capacity)?,
         };
         self.check_round_room(1)?;
+        let at = Slots::new(slots.iter().map(|&s| s as i32).collect(), 1);
         if window.is_some() && self.round.is_some() {
-            let at: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
-            self.record_ring_write(&buffers, &at, 1, &new)?;
+            self.record_ring_write(&buffers, &at, &new)?;
         }
         if let Some(round) = &mut self.round {
             round.appended += 1;
         }
-        let buffers = if slots.iter().all(|&s| s == slots[0]) {
-            kv::write_positions(&buffers, &new, slots[0])?
-        } else {
-            let at: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
-            let at = Array::from_slice(&at, &[at.len() as i32, 1, 1, 1])?;
-            buffers
-                .iter()
-                .zip(&new)
-                .map(|(buffer, n)| Ok(buffer.put_along_axis(&at, n, 2)?))
-                .collect::<Result<Vec<_>>>()?
-        };
+        let buffers = at.write(&buffers, &new)?;
         for row in &mut self.rows {
             row.advance();
         }
@@ -436,18 +426,12 @@ impl Shared {
     }
 
     /// Records what an append of the armed round is about to overwrite in ring rows: the
-    /// slots `at` (`B × L`, row-major) of `buffers`, and what goes there.
-    fn record_ring_write(
-        &mut self,
-        buffers: &[Array],
-        at: &[i32],
-        length: usize,
-        new: &[Array],
-    ) -> Result<()> {
+    /// slots `at` of `buffers`, and what goes there.
+    fn record_ring_write(&mut self, buffers: &[Array], at: &Slots, new: &[Array]) -> Result<()> {
         let Some(round) = &mut self.round else {
             return Ok(());
         };
-        let at = Array::from_slice(at, &[self.rows.len() as i32, 1, length as i32, 1])?;
+        let at = at.array()?;
         let old =
             buffers.iter().map(|b| Ok(b.take_along_axis(&at, 2)?)).collect::<Result<Vec<_>>>()?;
         round.writes.push(RingWrite { first: round.appended, at, old, new: new.to_vec() });
@@ -539,31 +523,22 @@ impl Shared {
             Some(parts) => Shared::grow(parts, capacity)?,
             None => kv::zero_positions(&new, capacity)?,
         };
-        let at: Vec<i32> =
-            self.rows.iter().flat_map(|r| (0..length).map(move |i| slot(r, i) as i32)).collect();
+        let at = Slots::new(
+            self.rows.iter().flat_map(|r| (0..length).map(move |i| slot(r, i) as i32)).collect(),
+            length,
+        );
         // A ring row reads its history as its own storage does, before the write.
         let history = match window {
             Some(window) => self.ring_history(&buffers, window)?,
             None => None,
         };
         if window.is_some() {
-            self.record_ring_write(&buffers, &at, length, &new)?;
+            self.record_ring_write(&buffers, &at, &new)?;
         }
         if let Some(round) = &mut self.round {
             round.appended += length;
         }
-        let contiguous = self.rows.iter().all(|r| r.cursor == self.rows[0].cursor)
-            && self.rows[0].cursor + length <= capacity;
-        let written = if contiguous {
-            kv::write_positions(&buffers, &new, self.rows[0].cursor)?
-        } else {
-            let at = Array::from_slice(&at, &[batch as i32, 1, length as i32, 1])?;
-            buffers
-                .iter()
-                .zip(&new)
-                .map(|(buffer, n)| Ok(buffer.put_along_axis(&at, n, 2)?))
-                .collect::<Result<Vec<_>>>()?
-        };
+        let written = at.write(&buffers, &new)?;
         let before: Vec<usize> = self.rows.iter().map(|r| r.stored).collect();
         for row in &mut self.rows {
             for _ in 0..length {
@@ -640,6 +615,44 @@ impl Shared {
         let prior =
             buffers.iter().map(|b| Ok(b.take_along_axis(&at, 2)?)).collect::<Result<Vec<_>>>()?;
         Ok(Some((prior, priors)))
+    }
+}
+
+/// The slot of each row's each new position (`B × L`, row-major): where an append writes.
+struct Slots {
+    at: Vec<i32>,
+    length: usize,
+    /// `at` as `[B, 1, L, 1]`, made on first use.
+    array: std::cell::OnceCell<Array>,
+}
+
+impl Slots {
+    fn new(at: Vec<i32>, length: usize) -> Slots {
+        Slots { at, length, array: std::cell::OnceCell::new() }
+    }
+
+    fn array(&self) -> Result<Array> {
+        if let Some(array) = self.array.get() {
+            return Ok(array.clone());
+        }
+        let rows = (self.at.len() / self.length) as i32;
+        let array = Array::from_slice(&self.at, &[rows, 1, self.length as i32, 1])?;
+        Ok(self.array.get_or_init(|| array).clone())
+    }
+
+    /// `new` (`[B, H, L, ·]` per part) written into `buffers` at these slots: one slice update
+    /// when every row's slots are the same run, else one scatter per part.
+    fn write(&self, buffers: &[Array], new: &[Array]) -> Result<Vec<Array>> {
+        let first = self.at.first().copied().unwrap_or(0);
+        let run = self
+            .at
+            .chunks(self.length)
+            .all(|row| row.iter().enumerate().all(|(i, &slot)| slot == first + i as i32));
+        if run {
+            return kv::write_positions(buffers, new, first as usize);
+        }
+        let at = self.array()?;
+        buffers.iter().zip(new).map(|(buffer, n)| Ok(buffer.put_along_axis(&at, n, 2)?)).collect()
     }
 }
 
