@@ -146,7 +146,7 @@ impl RecurrentRows {
         } else {
             let (conv, state) =
                 self.batch.parts_or_zeros(self.batch_size() as i32, mlx::Dtype::Float32)?;
-            let index = Array::from_slice(
+            let index = crate::uploads::ints(
                 &keep.iter().map(|&r| r as i32).collect::<Vec<_>>(),
                 &[keep.len() as i32],
             )?;

@@ -332,7 +332,7 @@ impl RecurrentCache {
         // At a padded position the state neither decays (g = 1) nor learns (β = 0).
         let flags: Vec<bool> =
             lengths.iter().flat_map(|&n| (0..length).map(move |i| i >= n)).collect();
-        let padded = Array::from_slice(&flags, &[batch, length as i32, 1])?;
+        let padded = crate::uploads::bools(&flags, &[batch, length as i32, 1])?;
         steps.g = ops::where_(&padded, &steps.g.scalar_like(1.0)?, &steps.g)?;
         steps.beta = ops::where_(&padded, &steps.beta.scalar_like(0.0)?, &steps.beta)?;
         let (y, state) = recurrence(&steps, &self.state_or_zeros(batch)?)?;
@@ -399,7 +399,7 @@ impl RecurrentCache {
         // At a padded position the state neither decays (g = 1) nor learns (β = 0).
         let flags: Vec<bool> =
             left_pad.iter().flat_map(|&p| (0..length).map(move |i| i < p)).collect();
-        let padded = Array::from_slice(&flags, &[batch, s, 1])?;
+        let padded = crate::uploads::bools(&flags, &[batch, s, 1])?;
         steps.g = ops::where_(&padded, &steps.g.scalar_like(1.0)?, &steps.g)?;
         steps.beta = ops::where_(&padded, &steps.beta.scalar_like(0.0)?, &steps.beta)?;
         let before = self.state_or_zeros(batch)?;

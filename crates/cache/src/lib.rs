@@ -78,6 +78,7 @@ mod rows;
 mod slot_rows;
 mod trace;
 mod turbo;
+mod uploads;
 
 use std::collections::BTreeMap;
 

@@ -259,5 +259,5 @@ pub(crate) fn overlay_mask(prior: usize, flags: &[bool], window: Option<usize>) 
             visible.push(causal || same);
         }
     }
-    Ok(Array::from_slice(&visible, &[length as i32, total as i32])?)
+    crate::uploads::bools(&visible, &[length as i32, total as i32])
 }

@@ -383,7 +383,7 @@ fn stack_reads(reads: &[AttentionRead], length: usize) -> Result<AttentionRead> 
         for (mask, &len) in masks.iter().zip(&lens) {
             visible.extend(rule_mask(mask, length, len, longest - len));
         }
-        Array::from_slice(&visible, &[reads.len() as i32, 1, length as i32, longest as i32])?
+        crate::uploads::bools(&visible, &[reads.len() as i32, 1, length as i32, longest as i32])?
     } else {
         let rows = masks
             .iter()
@@ -439,5 +439,5 @@ fn row_mask(mask: &ReadMask, queries: usize, len: usize, pad: usize) -> Result<A
         rule => rule,
     };
     let visible = rule_mask(own, queries, len, pad);
-    Ok(Array::from_slice(&visible, &[queries as i32, (pad + len) as i32])?)
+    crate::uploads::bools(&visible, &[queries as i32, (pad + len) as i32])
 }

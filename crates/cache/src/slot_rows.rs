@@ -402,7 +402,7 @@ impl Shared {
         for &f in &filled {
             visible.extend((0..longest).map(|j| j < f));
         }
-        let mask = Array::from_slice(&visible, &[filled.len() as i32, 1, 1, longest as i32])?;
+        let mask = crate::uploads::bools(&visible, &[filled.len() as i32, 1, 1, longest as i32])?;
         Ok(AttentionRead::masked(read, &codec, ReadMask::Array(mask), &ops_))
     }
 }
@@ -562,8 +562,10 @@ impl Shared {
                         visible.extend((0..longest).map(|j| j <= start + i));
                     }
                 }
-                let mask =
-                    Array::from_slice(&visible, &[batch as i32, 1, length as i32, longest as i32])?;
+                let mask = crate::uploads::bools(
+                    &visible,
+                    &[batch as i32, 1, length as i32, longest as i32],
+                )?;
                 Ok(AttentionRead::masked(read, &codec, ReadMask::Array(mask), &ops_))
             }
             (Some(_), None) => Ok(AttentionRead::masked(new, &codec, rule, &ops_)),
@@ -585,8 +587,10 @@ impl Shared {
                         );
                     }
                 }
-                let mask =
-                    Array::from_slice(&visible, &[batch as i32, 1, length as i32, total as i32])?;
+                let mask = crate::uploads::bools(
+                    &visible,
+                    &[batch as i32, 1, length as i32, total as i32],
+                )?;
                 Ok(AttentionRead::masked(read, &codec, ReadMask::Array(mask), &ops_))
             }
         }
@@ -611,7 +615,7 @@ impl Shared {
             at.extend(std::iter::repeat_n(0, most - p));
             at.extend((0..p).map(|t| ((row.cursor + window - p + t) % window) as i32));
         }
-        let at = Array::from_slice(&at, &[self.rows.len() as i32, 1, most as i32, 1])?;
+        let at = crate::uploads::ints(&at, &[self.rows.len() as i32, 1, most as i32, 1])?;
         let prior =
             buffers.iter().map(|b| Ok(b.take_along_axis(&at, 2)?)).collect::<Result<Vec<_>>>()?;
         Ok(Some((prior, priors)))
@@ -636,7 +640,7 @@ impl Slots {
             return Ok(array.clone());
         }
         let rows = (self.at.len() / self.length) as i32;
-        let array = Array::from_slice(&self.at, &[rows, 1, self.length as i32, 1])?;
+        let array = crate::uploads::ints(&self.at, &[rows, 1, self.length as i32, 1])?;
         Ok(self.array.get_or_init(|| array).clone())
     }
 
