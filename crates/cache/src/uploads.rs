@@ -8,7 +8,7 @@
 
 use std::cell::RefCell;
 
-use mlx::Array;
+use mlx::{Array, Dtype, Element};
 
 use crate::error::Result;
 
@@ -16,55 +16,47 @@ use crate::error::Result;
 /// slots, history and mask, per kind of row).
 const KEPT: usize = 8;
 
-#[derive(PartialEq)]
-enum Contents {
-    Int(Vec<i32>),
-    Bool(Vec<bool>),
+/// An upload made: its shape, element type and bytes, and the array.
+struct Made {
+    shape: Vec<i32>,
+    dtype: Dtype,
+    bytes: Vec<u8>,
+    array: Array,
 }
 
 thread_local! {
-    /// The arrays made last, newest last, with their shapes and contents.
-    static MADE: RefCell<Vec<(Vec<i32>, Contents, Array)>> = const { RefCell::new(Vec::new()) };
+    /// The arrays made last, newest last.
+    static MADE: RefCell<Vec<Made>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `data` as an int32 array of `shape`, the array made earlier when one holds the same.
 pub(crate) fn ints(data: &[i32], shape: &[i32]) -> Result<Array> {
-    shared(
-        shape,
-        || Contents::Int(data.to_vec()),
-        |c| matches!(c, Contents::Int(d) if d == data),
-        || Array::from_slice(data, shape),
-    )
+    shared(data, shape)
 }
 
 /// `data` as a bool array of `shape`, the array made earlier when one holds the same.
 pub(crate) fn bools(data: &[bool], shape: &[i32]) -> Result<Array> {
-    shared(
-        shape,
-        || Contents::Bool(data.to_vec()),
-        |c| matches!(c, Contents::Bool(d) if d == data),
-        || Array::from_slice(data, shape),
-    )
+    shared(data, shape)
 }
 
-fn shared(
-    shape: &[i32],
-    contents: impl FnOnce() -> Contents,
-    same: impl Fn(&Contents) -> bool,
-    make: impl FnOnce() -> mlx::Result<Array>,
-) -> Result<Array> {
+fn shared<T: Element>(data: &[T], shape: &[i32]) -> Result<Array> {
+    let mut bytes = Vec::new();
+    T::extend_bytes(data, &mut bytes);
     let found = MADE.with_borrow(|made| {
-        made.iter().rev().find(|(s, c, _)| s == shape && same(c)).map(|(_, _, a)| a.clone())
+        made.iter()
+            .rev()
+            .find(|m| m.dtype == T::DTYPE && m.shape == shape && m.bytes == bytes)
+            .map(|m| m.array.clone())
     });
     if let Some(array) = found {
         return Ok(array);
     }
-    let array = make()?;
+    let array = Array::from_bytes(&bytes, shape, T::DTYPE)?;
     MADE.with_borrow_mut(|made| {
         if made.len() == KEPT {
             made.remove(0);
         }
-        made.push((shape.to_vec(), contents(), array.clone()));
+        made.push(Made { shape: shape.to_vec(), dtype: T::DTYPE, bytes, array: array.clone() });
     });
     Ok(array)
 }
