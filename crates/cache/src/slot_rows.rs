@@ -477,7 +477,7 @@ impl Shared {
                 for &k in keep {
                     kept.extend((0..length).map(|i| write.first + i < k));
                 }
-                let kept = Array::from_slice(&kept, &[keep.len() as i32, 1, length as i32, 1])?;
+                let kept = crate::uploads::bools(&kept, &[keep.len() as i32, 1, length as i32, 1])?;
                 let parts =
                     self.parts.take().ok_or_else(|| round_error("a round wrote nothing"))?;
                 self.parts = Some(
