@@ -266,6 +266,33 @@ pub struct Batch<'m> {
     layout: RowLayout,
     /// How a verify round reads the output head.
     verify_head: VerifyHead,
+    /// Where the last step's time went.
+    last_step: StepTimes,
+}
+
+/// Where one [`Batch::step`]'s time went on the host, in milliseconds (to see what a verify
+/// round costs beside a plain step: `quince bench-batch --verbose`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    /// Whether the step was a verify round (a window pass over drafts).
+    pub round: bool,
+    /// Waiting for the tokens sampled ahead by the step before (a drafting batch reads them
+    /// before it proposes; a plain step reads them while its own pass runs).
+    pub read_ms: f64,
+    /// The drafting methods' proposals.
+    pub propose_ms: f64,
+    /// Building the pass's graph (the model's forward, op by op or compiled; a plain step's
+    /// sampling too).
+    pub build_ms: f64,
+    /// Handing a plain step's pass to the device (`async_eval`; on the CPU most of a plain
+    /// step's time shows here).
+    pub submit_ms: f64,
+    /// A round's output head and picks: its products and the wait for the pass to finish.
+    pub pick_ms: f64,
+    /// A round's rollback of what each row drops, and its methods learning what it kept.
+    pub settle_ms: f64,
+    /// The whole step.
+    pub total_ms: f64,
 }
 
 /// How a verify round takes its rows' positions to the output head (only a row's own
@@ -307,7 +334,13 @@ impl<'m> Batch<'m> {
             rows: Vec::new(),
             layout: RowLayout::Shared,
             verify_head,
+            last_step: StepTimes::default(),
         }
+    }
+
+    /// Where the last step's time went.
+    pub fn last_step_times(&self) -> StepTimes {
+        self.last_step
     }
 
     /// Rows decoding now.
@@ -638,18 +671,25 @@ impl<'m> Batch<'m> {
     /// whose later drafts it would have kept (a user's stop, a stop string), so that it holds
     /// what it would hold had it stopped there decoding alone.
     pub fn step_with(&mut self, on_token: &mut OnToken<'_>) -> Result<Vec<BatchEvent>> {
-        if self.rows.iter().any(Row::may_draft) {
-            return self.verify_step(on_token);
-        }
-        self.rows.iter_mut().for_each(Row::pass_plainly);
-        self.decode_step(on_token)
+        let started = Instant::now();
+        self.last_step = StepTimes::default();
+        let events = if self.rows.iter().any(Row::may_draft) {
+            self.verify_step(on_token)
+        } else {
+            self.rows.iter_mut().for_each(Row::pass_plainly);
+            self.decode_step(on_token)
+        };
+        self.last_step.total_ms = ms_since(started);
+        events
     }
 
     /// [`Batch::step`] appending one token to every row.
     fn decode_step(&mut self, on_token: &mut OnToken<'_>) -> Result<Vec<BatchEvent>> {
         let mut events = Vec::with_capacity(2 * self.rows.len());
         if !self.rows.iter().all(|r| r.ahead.is_none() || r.may_append_ahead()) {
+            let reading = Instant::now();
             self.read_ahead(&mut events, on_token)?;
+            self.last_step.read_ms += ms_since(reading);
         }
         if self.rows.is_empty() {
             return Ok(events);
@@ -685,8 +725,10 @@ impl<'m> Batch<'m> {
         let rows = self.rows.len();
         self.settle_all(&starts, &vec![0; rows], &vec![1; rows], &[])?;
         let build_ms = ms_since(host);
+        self.last_step.build_ms += build_ms;
         mlx::async_eval(&sampled.iter().collect::<Vec<_>>())?;
         let host_ms = ms_since(host);
+        self.last_step.submit_ms += host_ms - build_ms;
         // The tokens this pass appended unread are read now, while it runs.
         let mut ended = Vec::new();
         for (b, (row, next)) in self.rows.iter_mut().zip(sampled).enumerate() {
@@ -694,7 +736,9 @@ impl<'m> Batch<'m> {
             if let Some(ahead) = row.ahead.replace(next) {
                 let waited = Instant::now();
                 let token = ahead.item::<u32>()?;
-                row.stats.decode_wait_ms += ms_since(waited);
+                let waited = ms_since(waited);
+                row.stats.decode_wait_ms += waited;
+                self.last_step.read_ms += waited;
                 events.push(BatchEvent::Token { id: row.id, token });
                 if let Some(reason) = row.emit(token, on_token) {
                     ended.push((b, reason));
@@ -756,10 +800,13 @@ impl<'m> Batch<'m> {
     /// own next token, and keeps just those positions ([`BatchRows::rollback_rows`]).
     fn verify_step(&mut self, on_token: &mut OnToken<'_>) -> Result<Vec<BatchEvent>> {
         let mut events = Vec::with_capacity(2 * self.rows.len());
+        let reading = Instant::now();
         self.read_ahead(&mut events, on_token)?;
+        self.last_step.read_ms = ms_since(reading);
         if self.rows.is_empty() {
             return Ok(events);
         }
+        let proposing = Instant::now();
         let room = stack_max_append(&self.layers).map_or(usize::MAX, |r| r.saturating_sub(1));
         let (model, layers) = (self.model, &self.layers);
         let drafts: Vec<Vec<u32>> = self
@@ -768,11 +815,13 @@ impl<'m> Batch<'m> {
             .enumerate()
             .map(|(row, r)| r.propose(Target { model, caches: layers, row, hidden: None }, room))
             .collect::<Result<_>>()?;
+        self.last_step.propose_ms = ms_since(proposing);
         let longest = drafts.iter().map(Vec::len).max().unwrap_or(0);
         if longest == 0 {
             events.extend(self.decode_step(on_token)?);
             return Ok(events);
         }
+        self.last_step.round = true;
         let host = Instant::now();
         let width = longest + 1;
         let mut window = Vec::with_capacity(self.rows.len() * width);
@@ -794,6 +843,7 @@ impl<'m> Batch<'m> {
             }
         }
         let picked = self.pick_all(&ids, &drafts);
+        let settling = Instant::now();
         let picks = match picked {
             Ok(picks) => picks,
             Err(e) => {
@@ -838,6 +888,7 @@ impl<'m> Batch<'m> {
         let lengths: Vec<usize> = drafts.iter().map(|d| d.len() + 1).collect();
         let ending: Vec<usize> = ended.iter().map(|&(b, _)| b).collect();
         self.settle_all(&starts, &accepted_each, &lengths, &ending)?;
+        self.last_step.settle_ms = ms_since(settling);
         let host_ms = ms_since(host);
         for row in &mut self.rows {
             row.add_step_times(host_ms, host_ms);
@@ -855,7 +906,10 @@ impl<'m> Batch<'m> {
     /// argmax per stage, read back once; the others draw one by one with their own samplers,
     /// so each sampler's stream advances once per emitted token.
     fn pick_all(&mut self, ids: &Array, drafts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
+        let building = Instant::now();
         let hidden = self.model.forward_rows(ids, &mut self.layers, Phase::Window, Rows::Hidden)?;
+        self.last_step.build_ms = ms_since(building);
+        let picking = Instant::now();
         let (batch, width, size) =
             (hidden.dim(0)? as usize, hidden.dim(1)? as usize, hidden.dim(2)?);
         let hidden = hidden.reshape(&[(batch * width) as i32, size])?;
@@ -912,6 +966,7 @@ impl<'m> Batch<'m> {
                 i += to - from;
             }
         }
+        self.last_step.pick_ms = ms_since(picking);
         Ok(picks)
     }
 

@@ -23,7 +23,7 @@
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use engine::batch::{Batch, BatchEvent, VerifyHead};
+use engine::batch::{Batch, BatchEvent, StepTimes, VerifyHead};
 use engine::generate::GenerateRequest;
 use engine::models::Model;
 use engine::speculative::draft_model::DraftModel;
@@ -123,9 +123,43 @@ struct Run {
     /// From the first join until every stream has its first token.
     first_tokens_ms: f64,
     step_ms: Vec<f64>,
+    /// Where each step's time went, as the batch tells.
+    times: Vec<StepTimes>,
     tokens: Vec<Vec<u32>>,
     /// Drafts proposed and kept (`--lookup`, `--draft`).
     drafts: (usize, usize),
+}
+
+/// The medians of `times`' parts over the steps that are rounds (`round`) or not, with their
+/// count; `None` when there is none.
+fn median_parts(times: &[StepTimes], round: bool) -> Option<(usize, Value)> {
+    let of: Vec<&StepTimes> = times.iter().filter(|t| t.round == round).collect();
+    if of.is_empty() {
+        return None;
+    }
+    let median = |part: fn(&StepTimes) -> f64| {
+        let mut values: Vec<f64> = of.iter().map(|t| part(t)).collect();
+        percentile(&mut values, 0.5)
+    };
+    let parts = json!({
+        "read": median(|t| t.read_ms),
+        "propose": median(|t| t.propose_ms),
+        "build": median(|t| t.build_ms),
+        "submit": median(|t| t.submit_ms),
+        "pick": median(|t| t.pick_ms),
+        "settle": median(|t| t.settle_ms),
+        "total": median(|t| t.total_ms),
+    });
+    Some((of.len(), parts))
+}
+
+/// `parts` (from [`median_parts`]) on one line.
+fn parts_line(parts: &Value) -> String {
+    ["read", "propose", "build", "submit", "pick", "settle", "total"]
+        .iter()
+        .map(|k| format!("{k} {:.2}", parts[k].as_f64().unwrap_or(0.0)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `drafter`: what every stream drafts with (each a fork of it), or `None` to decode plainly.
@@ -180,6 +214,7 @@ fn run_once(
     let mut first_tokens_ms = None;
     let mut start = Instant::now();
     let mut step_ms = Vec::new();
+    let mut times = Vec::new();
     while !batch.is_empty() {
         if first_tokens_ms.is_none() && tokens.iter().all(|t| !t.is_empty()) {
             // Decoding is timed from here: every stream has its first token.
@@ -189,13 +224,23 @@ fn run_once(
         let step = Instant::now();
         let events = batch.step()?;
         step_ms.push(step.elapsed().as_secs_f64() * 1e3);
+        let parts = batch.last_step_times();
+        times.push(parts);
         if args.verbose {
             let emitted = events.iter().filter(|e| matches!(e, BatchEvent::Token { .. })).count();
             eprintln!(
-                "  step {}: {:.2} ms, {} rows, {emitted} tokens",
+                "  step {}: {:.2} ms, {} rows, {emitted} tokens, {} (read {:.2}, propose {:.2}, \
+                 build {:.2}, submit {:.2}, pick {:.2}, settle {:.2})",
                 step_ms.len(),
                 step_ms[step_ms.len() - 1],
-                batch.len()
+                batch.len(),
+                if parts.round { "round" } else { "step" },
+                parts.read_ms,
+                parts.propose_ms,
+                parts.build_ms,
+                parts.submit_ms,
+                parts.pick_ms,
+                parts.settle_ms
             );
         }
         record(events, &mut tokens);
@@ -206,6 +251,7 @@ fn run_once(
         decode_tok_s: decoded as f64 / secs,
         first_tokens_ms: first_tokens_ms.unwrap_or_else(|| joining.elapsed().as_secs_f64() * 1e3),
         step_ms,
+        times,
         tokens,
         drafts,
     })
@@ -258,6 +304,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let mut plain_rates = Vec::new();
         let mut firsts = Vec::new();
         let mut steps = Vec::new();
+        let mut times = Vec::new();
+        let mut plain_times = Vec::new();
         let mut tokens = Vec::new();
         let mut drafts = (0, 0);
         for _ in 0..args.repeats {
@@ -266,6 +314,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 let plain = run_once(model.as_ref(), None, args, prompts)?;
                 eprintln!("{streams} streams plain: {:.1} tok/s", plain.decode_tok_s);
                 plain_rates.push(plain.decode_tok_s);
+                plain_times.extend(plain.times);
                 tokens = plain.tokens;
             }
             let began = Instant::now();
@@ -297,6 +346,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             rates.push(run.decode_tok_s);
             firsts.push(run.first_tokens_ms);
             steps.extend(run.step_ms);
+            times.extend(run.times);
             tokens = run.tokens;
             drafts = (drafts.0 + run.drafts.0, drafts.1 + run.drafts.1);
         }
@@ -312,6 +362,20 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             row["drafts_proposed"] = json!(drafts.0 / args.repeats);
             row["drafts_accepted"] = json!(drafts.1 / args.repeats);
             row["plain_decode_tok_s"] = json!(percentile(&mut plain_rates, 0.5));
+            // Where the time goes: the rounds, the drafting run's other steps, the plain run's.
+            for (key, times, round) in [
+                ("rounds", &times, true),
+                ("steps_between_rounds", &times, false),
+                ("plain_steps", &plain_times, false),
+            ] {
+                if let Some((count, parts)) = median_parts(times, round) {
+                    eprintln!(
+                        "{streams} streams, {count} {key}, median ms: {}",
+                        parts_line(&parts)
+                    );
+                    row[key] = json!({ "count": count, "median_ms": parts });
+                }
+            }
         }
         rows.push(row);
     }

@@ -375,6 +375,7 @@ fn drafting_rows_verify_together_and_equal_each_request_alone() {
             }
             let joins = [0, 1, 3, 4];
             let mut batch = Batch::new(model.as_ref());
+            let mut rounds = 0;
             let mut streamed: BTreeMap<RowId, Vec<u32>> = BTreeMap::new();
             let mut finished: BTreeMap<RowId, Finished> = BTreeMap::new();
             let mut record = |events: Vec<BatchEvent>| {
@@ -410,7 +411,16 @@ fn drafting_rows_verify_together_and_equal_each_request_alone() {
                     break;
                 }
                 record(batch.step().unwrap());
+                // Where the step's time went: a round picks, a plain step does not, and the
+                // parts add up to no more than the whole.
+                let t = batch.last_step_times();
+                rounds += usize::from(t.round);
+                assert_eq!(t.round, t.pick_ms > 0.0, "{what}: {t:?}");
+                assert!(!t.round || t.build_ms > 0.0, "{what}: {t:?}");
+                let parts = t.read_ms + t.propose_ms + t.build_ms + t.submit_ms + t.pick_ms;
+                assert!(parts + t.settle_ms <= t.total_ms, "{what}: {t:?}");
             }
+            assert!(rounds > 0, "{what}: rounds ran");
             let (mut proposed, mut accepted) = (0, 0);
             let mut drafted = None;
             for (i, request) in requests.iter().enumerate() {
