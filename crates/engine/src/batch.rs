@@ -843,7 +843,6 @@ impl<'m> Batch<'m> {
             }
         }
         let picked = self.pick_all(&ids, &drafts);
-        let settling = Instant::now();
         let picks = match picked {
             Ok(picks) => picks,
             Err(e) => {
@@ -880,6 +879,7 @@ impl<'m> Batch<'m> {
             keep.push(emitted);
             accepted_each.push(accepted);
         }
+        let settling = Instant::now();
         for layer in &mut self.layers {
             rows_of(layer.as_mut())?.rollback_rows(&keep)?;
         }

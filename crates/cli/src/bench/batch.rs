@@ -130,6 +130,20 @@ struct Run {
     drafts: (usize, usize),
 }
 
+/// One part of a step's time ([`StepTimes`]).
+type Part = fn(&StepTimes) -> f64;
+
+/// A step's parts, by name, as the batch reports them.
+const PARTS: [(&str, Part); 7] = [
+    ("read", |t| t.read_ms),
+    ("propose", |t| t.propose_ms),
+    ("build", |t| t.build_ms),
+    ("submit", |t| t.submit_ms),
+    ("pick", |t| t.pick_ms),
+    ("settle", |t| t.settle_ms),
+    ("total", |t| t.total_ms),
+];
+
 /// The medians of `times`' parts over the steps that are rounds (`round`) or not, with their
 /// count; `None` when there is none.
 fn median_parts(times: &[StepTimes], round: bool) -> Option<(usize, Value)> {
@@ -137,27 +151,19 @@ fn median_parts(times: &[StepTimes], round: bool) -> Option<(usize, Value)> {
     if of.is_empty() {
         return None;
     }
-    let median = |part: fn(&StepTimes) -> f64| {
+    let mut parts = serde_json::Map::new();
+    for (name, part) in PARTS {
         let mut values: Vec<f64> = of.iter().map(|t| part(t)).collect();
-        percentile(&mut values, 0.5)
-    };
-    let parts = json!({
-        "read": median(|t| t.read_ms),
-        "propose": median(|t| t.propose_ms),
-        "build": median(|t| t.build_ms),
-        "submit": median(|t| t.submit_ms),
-        "pick": median(|t| t.pick_ms),
-        "settle": median(|t| t.settle_ms),
-        "total": median(|t| t.total_ms),
-    });
-    Some((of.len(), parts))
+        parts.insert(name.into(), json!(percentile(&mut values, 0.5)));
+    }
+    Some((of.len(), Value::Object(parts)))
 }
 
-/// `parts` (from [`median_parts`]) on one line.
-fn parts_line(parts: &Value) -> String {
-    ["read", "propose", "build", "submit", "pick", "settle", "total"]
+/// `part` of each of [`PARTS`], on one line.
+fn parts_line(part: impl Fn(&str, Part) -> f64) -> String {
+    PARTS
         .iter()
-        .map(|k| format!("{k} {:.2}", parts[k].as_f64().unwrap_or(0.0)))
+        .map(|&(name, of)| format!("{name} {:.2}", part(name, of)))
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -229,18 +235,11 @@ fn run_once(
         if args.verbose {
             let emitted = events.iter().filter(|e| matches!(e, BatchEvent::Token { .. })).count();
             eprintln!(
-                "  step {}: {:.2} ms, {} rows, {emitted} tokens, {} (read {:.2}, propose {:.2}, \
-                 build {:.2}, submit {:.2}, pick {:.2}, settle {:.2})",
+                "  step {}: {} rows, {emitted} tokens, {} ({})",
                 step_ms.len(),
-                step_ms[step_ms.len() - 1],
                 batch.len(),
                 if parts.round { "round" } else { "step" },
-                parts.read_ms,
-                parts.propose_ms,
-                parts.build_ms,
-                parts.submit_ms,
-                parts.pick_ms,
-                parts.settle_ms
+                parts_line(|_, of| of(&parts))
             );
         }
         record(events, &mut tokens);
@@ -371,7 +370,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 if let Some((count, parts)) = median_parts(times, round) {
                     eprintln!(
                         "{streams} streams, {count} {key}, median ms: {}",
-                        parts_line(&parts)
+                        parts_line(|name, _| parts[name].as_f64().unwrap_or(0.0))
                     );
                     row[key] = json!({ "count": count, "median_ms": parts });
                 }
