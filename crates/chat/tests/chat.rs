@@ -624,9 +624,12 @@ async fn a_draft_model_keeps_its_caches_with_the_checkpoint_across_a_restart() {
         let reply = send(&chat, c, text, &[]).await.0.unwrap();
         let (computed, prompt, reused) = computed(&reply);
         if reused > 0 {
-            // The draft model kept its caches from the first reply.
+            // The draft model kept its caches from the first reply: it computes what the
+            // target did and at most the reply it did not draft in (the batch runs rounds only
+            // while they pay, and a draft as large as its target does not pay), not the whole
+            // conversation.
             assert!(
-                computed < prompt - reused + 8,
+                computed <= prompt - reused + 16,
                 "{computed} of {prompt} computed, {reused} reused"
             );
         }

@@ -45,7 +45,7 @@ use crate::cache::{BatchRows, Cache, Cohort, RowLayout, stack_max_append, stack_
 use crate::generate::{Flow, GenerateRequest, Generation, GenerationStats, StopReason};
 use crate::models::{Model, Phase, Rows, target_lacks};
 use crate::sampling::Sampler;
-use crate::speculative::{DraftLength, DraftMethod, Pace, SpecStats, Target};
+use crate::speculative::{DraftLength, DraftMethod, MAX_BACKOFF, Pace, SpecStats, Target};
 use crate::{Error, Result};
 
 /// Identifies a request in a batch (the caller's choice, unique among the rows).
@@ -106,6 +106,13 @@ impl Method<'_> {
         }
     }
 
+    fn as_ref(&self) -> &dyn DraftMethod {
+        match self {
+            Method::Owned(method) => method.as_ref(),
+            Method::Lent(method) => &**method,
+        }
+    }
+
     /// The method, when the row owns it (to checkpoint its state with the row's).
     fn into_owned(self) -> Option<Box<dyn DraftMethod>> {
         match self {
@@ -157,9 +164,15 @@ impl<'m> Row<'m> {
         !self.sampler.params().penalizes() && self.tokens.len() + 1 < self.max_tokens
     }
 
-    /// Whether the row may draft this step (it drafts, and is not decoding plainly for now).
+    /// Whether the row may draft this step: it drafts, is not decoding plainly for now, and,
+    /// when its last token is still unread (sampled ahead by a pipelined step), its method
+    /// expects to propose after it ([`DraftMethod::drafts_after_unread`]): otherwise the step
+    /// appends that token unread, as a plain step does, instead of waiting for it.
     fn may_draft(&self) -> bool {
-        self.drafting.as_ref().is_some_and(|d| d.pace.backoff == 0)
+        let unread = self.ahead.is_some();
+        self.drafting.as_ref().is_some_and(|d| {
+            d.pace.backoff == 0 && (!unread || d.method.as_ref().drafts_after_unread(&d.context))
+        })
     }
 
     /// A step in which the row decodes plainly: one fewer left before it drafts again.
@@ -266,8 +279,80 @@ pub struct Batch<'m> {
     layout: RowLayout,
     /// How a verify round reads the output head.
     verify_head: VerifyHead,
+    /// Whether rounds run only while they pay ([`Batch::gating_rounds`]).
+    gate: Option<RoundGate>,
     /// Where the last step's time went.
     last_step: StepTimes,
+}
+
+/// Decides whether a batch's next step may be a verify round, from what its rounds and its
+/// plain steps have cost ([`Batch::gating_rounds`]): a round costs every row of the batch
+/// (a window pass, and the wait for its picks before the next pass is built), so it pays only
+/// when the tokens it emits a row beat the plain steps the same time would have decoded.
+/// While rounds do not pay the rows decode plainly, for 2, 4, … up to [`MAX_BACKOFF`] steps
+/// before a round is tried again.
+#[derive(Debug, Clone, Default)]
+struct RoundGate {
+    /// Moving means: a plain step built on unread tokens after another plain step (what
+    /// decoding costs a step: building its pass, then waiting for the pass before), a round
+    /// (building its window, and waiting for it), and the tokens a round emits a row.
+    plain_ms: Option<f64>,
+    round_ms: Option<f64>,
+    round_yield: Option<f64>,
+    /// Plain steps left before rounds may run again.
+    wait: usize,
+    /// Rounds in a row that did not pay.
+    misses: u32,
+    last_was_plain: bool,
+}
+
+/// The weight of the newest sample in [`RoundGate`]'s moving means.
+const GATE_WEIGHT: f64 = 0.25;
+
+impl RoundGate {
+    fn allows(&self) -> bool {
+        self.wait == 0
+    }
+
+    /// After a step: a round that emitted `yield_per_row` tokens a row on average, or a plain
+    /// step (`None`).
+    fn observe(&mut self, step: &StepTimes, yield_per_row: Option<f64>) {
+        let mean = |m: &mut Option<f64>, x: f64| {
+            *m = Some(m.map_or(x, |m| m + GATE_WEIGHT * (x - m)));
+        };
+        match yield_per_row {
+            Some(tokens) => {
+                // Not its wait for the tokens of the pass before: each plain step waits for
+                // the one before it too, so that pass is counted once, with its own token.
+                mean(&mut self.round_ms, step.total_ms - step.read_ms);
+                mean(&mut self.round_yield, tokens);
+                self.last_was_plain = false;
+                match self.pays() {
+                    Some(false) => {
+                        self.misses += 1;
+                        self.wait = (1usize << self.misses.min(8)).min(MAX_BACKOFF);
+                    }
+                    Some(true) => self.misses = 0,
+                    // No plain step measured yet: two, to measure one after the other.
+                    None => self.wait = 2,
+                }
+            }
+            None => {
+                if self.last_was_plain && !step.waited {
+                    mean(&mut self.plain_ms, step.total_ms);
+                }
+                self.last_was_plain = true;
+                self.wait = self.wait.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Whether rounds pay as measured so far: a round's tokens a row against the plain steps
+    /// its time would have decoded; `None` before both were measured.
+    fn pays(&self) -> Option<bool> {
+        let (plain, round, tokens) = (self.plain_ms?, self.round_ms?, self.round_yield?);
+        Some(tokens * plain >= round)
+    }
 }
 
 /// Where one [`Batch::step`]'s time went on the host, in milliseconds (to see what a verify
@@ -276,6 +361,14 @@ pub struct Batch<'m> {
 pub struct StepTimes {
     /// Whether the step was a verify round (a window pass over drafts).
     pub round: bool,
+    /// The rows the step's pass ran over.
+    pub rows: usize,
+    /// Drafts the round kept, over all its rows.
+    pub kept: usize,
+    /// Whether the step read the tokens sampled ahead by the step before it built its pass
+    /// (to propose drafts after them, or for a row's penalties), instead of building on them
+    /// unread while that step's pass still runs.
+    pub waited: bool,
     /// Waiting for the tokens sampled ahead by the step before (a drafting batch reads them
     /// before it proposes; a plain step reads them while its own pass runs).
     pub read_ms: f64,
@@ -334,8 +427,18 @@ impl<'m> Batch<'m> {
             rows: Vec::new(),
             layout: RowLayout::Shared,
             verify_head,
+            gate: None,
             last_step: StepTimes::default(),
         }
+    }
+
+    /// The batch runs verify rounds only while they pay, as measured on its own steps: while a
+    /// round costs more time than the plain steps that would emit its tokens, rows decode
+    /// plainly (trying a round again after 2, 4, … steps). The tokens are the same either way;
+    /// only which steps are rounds depends on the timings. Off by default.
+    pub fn gating_rounds(mut self, on: bool) -> Batch<'m> {
+        self.gate = on.then(RoundGate::default);
+        self
     }
 
     /// Where the last step's time went.
@@ -673,13 +776,19 @@ impl<'m> Batch<'m> {
     pub fn step_with(&mut self, on_token: &mut OnToken<'_>) -> Result<Vec<BatchEvent>> {
         let started = Instant::now();
         self.last_step = StepTimes::default();
-        let events = if self.rows.iter().any(Row::may_draft) {
+        let gate_allows = self.gate.as_ref().is_none_or(RoundGate::allows);
+        let events = if gate_allows && self.rows.iter().any(Row::may_draft) {
             self.verify_step(on_token)
         } else {
             self.rows.iter_mut().for_each(Row::pass_plainly);
             self.decode_step(on_token)
         };
         self.last_step.total_ms = ms_since(started);
+        if let Some(gate) = &mut self.gate {
+            let step = &self.last_step;
+            let tokens_a_row = step.round.then(|| 1.0 + step.kept as f64 / step.rows as f64);
+            gate.observe(step, tokens_a_row);
+        }
         events
     }
 
@@ -709,6 +818,7 @@ impl<'m> Batch<'m> {
             _ => mlx::ops::concatenate(&feeds.iter().collect::<Vec<_>>(), 0)?,
         };
         let batch = feeds.len() as i32;
+        self.last_step.rows = feeds.len();
         let starts = self.row_offsets();
         // Through the model's compiled step where it has one for these rows.
         let logits = self.model.forward_decode(&ids, &mut self.layers)?;
@@ -879,6 +989,8 @@ impl<'m> Batch<'m> {
             keep.push(emitted);
             accepted_each.push(accepted);
         }
+        self.last_step.rows = batch;
+        self.last_step.kept = accepted_each.iter().sum();
         let settling = Instant::now();
         for layer in &mut self.layers {
             rows_of(layer.as_mut())?.rollback_rows(&keep)?;
@@ -980,6 +1092,7 @@ impl<'m> Batch<'m> {
         let mut ended = Vec::new();
         for (b, row) in self.rows.iter_mut().enumerate() {
             if let Some(ahead) = row.ahead.take() {
+                self.last_step.waited = true;
                 let token = ahead.item::<u32>()?;
                 events.push(BatchEvent::Token { id: row.id, token });
                 if let Some(reason) = row.emit(token, on_token) {
@@ -1172,5 +1285,59 @@ fn run_alone(
                 return Ok(finished);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(total_ms: f64, round: bool, waited: bool) -> StepTimes {
+        StepTimes { round, waited, total_ms, ..StepTimes::default() }
+    }
+
+    /// Rounds run until measured against plain steps; while one costs more than the plain
+    /// steps that would emit its tokens the rows decode plainly for 2, 4, … steps, and a
+    /// round that pays lets them run again.
+    #[test]
+    fn the_gate_lets_rounds_run_while_they_pay() {
+        let mut gate = RoundGate::default();
+        assert!(gate.allows());
+        // A round of 2 tokens a row for 25 ms, before any plain step: two plain steps follow,
+        // the second measured (the first reads no token sampled ahead).
+        gate.observe(&step(25.0, true, true), Some(2.0));
+        assert!(!gate.allows());
+        gate.observe(&step(4.0, false, false), None);
+        gate.observe(&step(10.0, false, false), None);
+        assert_eq!(gate.plain_ms, Some(10.0));
+        assert!(gate.allows());
+        // 25 ms for 2 tokens a row, against 10 ms a token: not paying, 2 plain steps; then
+        // again, 4.
+        gate.observe(&step(25.0, true, true), Some(2.0));
+        assert_eq!(gate.pays(), Some(false));
+        for _ in 0..2 {
+            assert!(!gate.allows());
+            gate.observe(&step(10.0, false, false), None);
+        }
+        assert!(gate.allows());
+        gate.observe(&step(25.0, true, true), Some(2.0));
+        assert_eq!(gate.wait, 4);
+        // A plain step that waited for its tokens measures nothing; a round's wait for the
+        // pass before it is not its cost.
+        gate.observe(&step(40.0, false, true), None);
+        assert_eq!(gate.plain_ms, Some(10.0));
+        for _ in 0..3 {
+            gate.observe(&step(10.0, false, false), None);
+        }
+        // Rounds that keep 3 drafts a row for 20 ms (after 8 ms waiting for the pass before)
+        // pay: they run on, step after step.
+        for _ in 0..6 {
+            assert!(gate.allows());
+            let round = StepTimes { read_ms: 8.0, ..step(28.0, true, true) };
+            gate.observe(&round, Some(4.0));
+        }
+        assert!(gate.round_ms.is_some_and(|ms| ms < 21.0), "{:?}", gate.round_ms);
+        assert_eq!(gate.pays(), Some(true));
+        assert_eq!((gate.wait, gate.misses), (0, 0));
     }
 }

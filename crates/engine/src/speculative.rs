@@ -142,4 +142,4 @@ impl SpecStats {
 }
 
 /// The most tokens decoded plainly between two rounds after drafts kept failing.
-const MAX_BACKOFF: usize = 64;
+pub(crate) const MAX_BACKOFF: usize = 64;

@@ -349,6 +349,13 @@ pub trait DraftMethod: std::fmt::Debug {
     /// bonus) the target has not appended yet. Fewer, or none, when the method has nothing
     /// worth verifying.
     fn propose(&mut self, target: Target<'_>, context: &[u32], max: usize) -> Result<Vec<u32>>;
+    /// Whether the method expects to propose once the token after `context` is known: a
+    /// batch asks before it reads a token a pipelined step sampled ahead, so that a step no
+    /// row drafts in is built without waiting for it. `false` gives up that step's drafts;
+    /// the default, `true`, reads the token first.
+    fn drafts_after_unread(&self, _context: &[u32]) -> bool {
+        true
+    }
     /// After each forward pass of the target over the row, a round (its verify window
     /// appended and rolled back to what it kept) or a plain decode step: the target kept the
     /// first `accepted` drafts, and the pass's row `accepted` produced the next bonus.

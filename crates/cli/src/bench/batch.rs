@@ -63,6 +63,13 @@ pub struct Args {
     /// Every stream drafts by prompt lookup; the streams verify their drafts together.
     #[arg(long, conflicts_with = "draft")]
     lookup: bool,
+    /// With --lookup: the shortest n-gram a draft is looked up by (the default is prompt
+    /// lookup's own).
+    #[arg(long, requires = "lookup")]
+    min_ngram: Option<usize>,
+    /// The most tokens a stream drafts in one round (adapted between 1 and this).
+    #[arg(long, default_value_t = DraftLength::default().max)]
+    num_draft: usize,
     /// Every stream drafts with the draft model in this directory (same tokenizer); the
     /// streams verify their drafts together.
     #[arg(long)]
@@ -71,6 +78,10 @@ pub struct Args {
     /// pads), instead of one after another.
     #[arg(long, conflicts_with_all = ["draft", "lookup"])]
     together: bool,
+    /// Verify every step a stream drafts in, even where rounds cost more than they emit (the
+    /// app's batches run rounds only while they pay: `Batch::gating_rounds`).
+    #[arg(long)]
+    no_gate: bool,
     /// Print every step's time on stderr as it ends (to see where a slow run spends it).
     #[arg(long)]
     verbose: bool,
@@ -176,11 +187,12 @@ fn run_once(
     prompts: &[Vec<u32>],
 ) -> anyhow::Result<Run> {
     let streams = prompts.len();
-    let mut batch = match args.verify_head {
+    let batch = match args.verify_head {
         None => Batch::new(model),
         Some(VerifyHeadArg::Window) => Batch::with_verify_head(model, VerifyHead::Window),
         Some(VerifyHeadArg::ByPosition) => Batch::with_verify_head(model, VerifyHead::ByPosition),
     };
+    let mut batch = batch.gating_rounds(!args.no_gate);
     let mut tokens = vec![Vec::new(); streams];
     let mut drafts = (0, 0);
     let mut record = |events: Vec<BatchEvent>, tokens: &mut Vec<Vec<u32>>| {
@@ -208,7 +220,8 @@ fn run_once(
         let events = match drafter {
             Some(drafter) => {
                 let fork = drafter.fork();
-                batch.join_drafting(id, caches, &request, &[], fork, DraftLength::default())?
+                let length = DraftLength { max: args.num_draft, ..DraftLength::default() };
+                batch.join_drafting(id, caches, &request, &[], fork, length)?
             }
             None => batch.join(id, caches, &request)?,
         };
@@ -267,8 +280,10 @@ fn percentile(values: &mut [f64], p: f64) -> f64 {
 
 /// `quince bench-batch`.
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    if args.prompt_tokens == 0 || args.gen_tokens < 2 || args.repeats == 0 {
-        bail!("--prompt-tokens and --repeats must be positive, --gen-tokens at least 2");
+    if args.prompt_tokens == 0 || args.gen_tokens < 2 || args.repeats == 0 || args.num_draft == 0 {
+        bail!(
+            "--prompt-tokens, --repeats and --num-draft must be positive, --gen-tokens at least 2"
+        );
     }
     if args.streams.is_empty() || args.streams.contains(&0) {
         bail!("--streams takes positive counts, e.g. 1,2,4,8");
@@ -280,7 +295,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             let loaded = engine::registry::load_model(dir, &args.load.options())?;
             Some(Box::new(DraftModel::new(loaded)))
         }
-        None if args.lookup => Some(Box::new(PromptLookup::default())),
+        None if args.lookup => {
+            let default = PromptLookup::default();
+            let min_ngram = args.min_ngram.unwrap_or(default.min_ngram);
+            let max_ngram = default.max_ngram.max(min_ngram);
+            Some(Box::new(PromptLookup { min_ngram, max_ngram, ..default }))
+        }
         None => None,
     };
     let drafter = drafter.as_deref();
@@ -361,19 +381,24 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             row["drafts_proposed"] = json!(drafts.0 / args.repeats);
             row["drafts_accepted"] = json!(drafts.1 / args.repeats);
             row["plain_decode_tok_s"] = json!(percentile(&mut plain_rates, 0.5));
-            // Where the time goes: the rounds, the drafting run's other steps, the plain run's.
-            for (key, times, round) in [
+        }
+        // Where the time goes: the rounds, the drafting run's other steps, the plain run's (a
+        // run without a drafter: its steps).
+        let parts: Vec<(&str, &[StepTimes], bool)> = match drafter {
+            Some(_) => vec![
                 ("rounds", &times, true),
                 ("steps_between_rounds", &times, false),
                 ("plain_steps", &plain_times, false),
-            ] {
-                if let Some((count, parts)) = median_parts(times, round) {
-                    eprintln!(
-                        "{streams} streams, {count} {key}, median ms: {}",
-                        parts_line(|name, _| parts[name].as_f64().unwrap_or(0.0))
-                    );
-                    row[key] = json!({ "count": count, "median_ms": parts });
-                }
+            ],
+            None => vec![("steps", &times, false)],
+        };
+        for (key, times, round) in parts {
+            if let Some((count, parts)) = median_parts(times, round) {
+                eprintln!(
+                    "{streams} streams, {count} {key}, median ms: {}",
+                    parts_line(|name, _| parts[name].as_f64().unwrap_or(0.0))
+                );
+                row[key] = json!({ "count": count, "median_ms": parts });
             }
         }
         rows.push(row);

@@ -13,11 +13,23 @@ pub struct PromptLookup {
     pub max_ngram: usize,
     /// The shortest suffix matched.
     pub min_ngram: usize,
+    /// Whether a batch waits for every token a pipelined step sampled ahead, to look it up
+    /// (drafting wherever a match exists), rather than only where the conversation's last
+    /// n-gram already has a match for that token to continue (the default: a step in which no
+    /// draft is expected is built without waiting for it).
+    pub wait_for_every_token: bool,
 }
 
 impl Default for PromptLookup {
     fn default() -> Self {
-        PromptLookup { max_ngram: 3, min_ngram: 1 }
+        PromptLookup { max_ngram: 3, min_ngram: 1, wait_for_every_token: false }
+    }
+}
+
+impl PromptLookup {
+    /// Drafting wherever a match exists ([`PromptLookup::wait_for_every_token`]).
+    pub fn waiting_for_every_token() -> PromptLookup {
+        PromptLookup { wait_for_every_token: true, ..PromptLookup::default() }
     }
 }
 
@@ -68,6 +80,12 @@ impl DraftMethod for PromptLookup {
         Ok(self.find(context, max))
     }
 
+    /// Only where the conversation's last n-gram already has a match: the unread token then
+    /// most likely continues it. Text that quotes nothing earlier decodes without waiting.
+    fn drafts_after_unread(&self, context: &[u32]) -> bool {
+        self.wait_for_every_token || !self.find(context, 1).is_empty()
+    }
+
     fn settle(&mut self, _target: Target<'_>, _accepted: usize) -> Result<()> {
         Ok(())
     }
@@ -92,5 +110,15 @@ mod tests {
         assert_eq!(lookup.find(&[4, 1, 2, 4, 3, 4], 2), vec![3, 4]);
         assert!(lookup.find(&[1, 2, 3], 4).is_empty(), "no earlier occurrence");
         assert!(lookup.find(&[7], 4).is_empty());
+    }
+
+    #[test]
+    fn it_waits_for_an_unread_token_only_to_continue_a_match() {
+        let lookup = PromptLookup::default();
+        // 3 came before, followed by 4: the unread token most likely continues "3 4".
+        assert!(lookup.drafts_after_unread(&[1, 3, 4, 2, 3]));
+        // Nothing earlier to continue.
+        assert!(!lookup.drafts_after_unread(&[1, 2, 3, 4]));
+        assert!(PromptLookup::waiting_for_every_token().drafts_after_unread(&[1, 2, 3, 4]));
     }
 }

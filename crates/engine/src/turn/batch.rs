@@ -85,7 +85,9 @@ impl std::fmt::Debug for TurnBatch<'_> {
 impl<'c> TurnBatch<'c> {
     /// No turns yet.
     pub fn new(chat: &'c ChatModel) -> TurnBatch<'c> {
-        TurnBatch { chat, batch: Batch::new(chat.model()), rows: HashMap::new() }
+        // Rounds run while they pay: a user's drafting reply never slows the others much.
+        let batch = Batch::new(chat.model()).gating_rounds(true);
+        TurnBatch { chat, batch, rows: HashMap::new() }
     }
 
     /// Turns decoding now.

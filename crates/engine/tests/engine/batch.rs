@@ -395,10 +395,11 @@ fn drafting_rows_verify_together_and_equal_each_request_alone() {
                     }
                     let caches = model.fresh_caches().unwrap();
                     // Row 1 drafts with the draft model, row 2 decodes plainly, the others
-                    // draft by prompt lookup.
+                    // draft by prompt lookup, looking up every token (sampled, the random
+                    // checkpoints rarely continue a match).
                     let method: Box<dyn DraftMethod> = match i {
                         1 => drafter.fork(),
-                        _ => Box::new(PromptLookup::default()),
+                        _ => Box::new(PromptLookup::waiting_for_every_token()),
                     };
                     let (id, length) = (i as RowId, DraftLength::default());
                     let events = match i {
@@ -459,6 +460,64 @@ fn drafting_rows_verify_together_and_equal_each_request_alone() {
             if name == "demo" {
                 assert!(accepted > 0, "{what}: drafts were kept");
             }
+        }
+    }
+}
+
+/// A prompt-lookup row waits for the token a pipelined step sampled ahead only where the
+/// conversation's last n-gram has an earlier match for that token to continue: over text
+/// that repeats nothing its steps are built on unread tokens, as a plain row's are (they all
+/// waited before), and it still generates what it generates alone; over text that repeats,
+/// it waits, drafts and verifies.
+#[test]
+fn lookup_rows_wait_for_a_token_only_to_continue_a_match() {
+    use engine::speculative::DraftLength;
+    // A random checkpoint over distinct tokens, and the trained demo quoting a fortune.
+    let distinct: Vec<u32> = (0..24).map(|i| 3 + 7 * i).collect();
+    let demo = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/demo-model");
+    let tokenizer = engine::tokenizer::Tokenizer::from_dir(&demo).unwrap().unwrap();
+    let fortune = "Adding features does not necessarily increase functionality -- it just \
+                   makes the manuals thicker.\n\n";
+    let quoting = tokenizer.encode(&format!("{fortune}{fortune}Adding features does"), true);
+    for (model, prompt, repeats) in [
+        (load("gemma4/dense"), distinct, false),
+        (trained_demo("demo-model"), quoting.unwrap(), true),
+    ] {
+        let request = GenerateRequest::new(prompt.clone(), 12);
+        let mut batch = Batch::new(model.as_ref());
+        let method = Box::new(PromptLookup::default());
+        let mut tokens = Vec::new();
+        let mut keep = |events: Vec<BatchEvent>| {
+            for event in events {
+                if let BatchEvent::Token { token, .. } = event {
+                    tokens.push(token);
+                }
+            }
+        };
+        keep(
+            batch
+                .join_drafting(
+                    0,
+                    model.fresh_caches().unwrap(),
+                    &request,
+                    &[],
+                    method,
+                    DraftLength::default(),
+                )
+                .unwrap(),
+        );
+        let (mut unread, mut rounds) = (0, 0);
+        while !batch.is_empty() {
+            keep(batch.step().unwrap());
+            let t = batch.last_step_times();
+            unread += usize::from(!t.waited && !t.round);
+            rounds += usize::from(t.round);
+        }
+        let (want, _) = alone(model.as_ref(), &request);
+        assert_eq!(tokens, want, "repeats: {repeats}");
+        match repeats {
+            false => assert!(unread > 0, "steps built on unread tokens: {unread}"),
+            true => assert!(rounds > 0, "rounds: {rounds}"),
         }
     }
 }

@@ -69,7 +69,8 @@ fn repeating_prompt() -> Vec<u32> {
 fn methods(target: &str) -> Vec<(String, Box<dyn DraftMethod>)> {
     let other = if target == "dense" { "moe" } else { "dense" };
     let mut methods: Vec<(String, Box<dyn DraftMethod>)> = vec![
-        ("lookup".into(), Box::new(PromptLookup::default())),
+        // Every token looked up: sampled, the random checkpoint rarely continues a match.
+        ("lookup".into(), Box::new(PromptLookup::waiting_for_every_token())),
         (format!("draft {target}_q4"), Box::new(DraftModel::new(load(&format!("{target}_q4"))))),
         (format!("draft {other}"), Box::new(DraftModel::new(load(other)))),
     ];
