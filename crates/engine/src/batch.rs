@@ -19,7 +19,10 @@
 //! ([`crate::cache::Cache::row_offsets`]). A decode step runs the model's compiled step where
 //! it has one: for a lone row, and for rows sharing buffers (a graph per row count). Steps
 //! are pipelined: a pass is built on the tokens the last one sampled before they are read,
-//! unless a row's penalties read them first or one drafts this step. Each row samples its own
+//! unless a row's penalties read them first or one drafts this step (a drafting row asks its
+//! method first whether it expects to propose after the unread token,
+//! [`DraftMethod::drafts_after_unread`], and a batch [`Batch::gating_rounds`] runs rounds only
+//! while they pay). Each row samples its own
 //! logits with its own [`Sampler`] (seed, temperature, penalties, output grammar), stops on
 //! its own stop tokens and token budget, and leaves the batch when it ends or is cancelled
 //! ([`Batch::cancel`]), taking its caches with it as ordinary single-sequence caches, ready
