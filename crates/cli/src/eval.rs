@@ -137,8 +137,11 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<()> {
         .take(args.prompts)
         .map(|row| row[..args.prompt_tokens.min(row.len())].to_vec())
         .collect();
+    // Lookup looks up every token: what is measured is how well each method drafts on this
+    // text, not when a batch would wait for a token to draft after it.
+    let lookup = PromptLookup::waiting_for_every_token();
     let mut methods: Vec<(String, Box<dyn DraftMethod>)> =
-        vec![("lookup".into(), Box::new(PromptLookup::default()))];
+        vec![("lookup".into(), Box::new(lookup))];
     if let Some(dir) = &args.draft {
         let draft = engine::registry::load_model(dir, &options)?;
         methods.push((format!("draft {}", dir.display()), Box::new(DraftModel::new(draft))));
